@@ -1,0 +1,77 @@
+"""The one command line: `specserve ...` (also `python -m cluster ...`).
+
+Each subcommand lives in its own module, imported only when it runs, so `specserve --help`
+stays fast and a subcommand never pays for another's imports (Ray, torch, matplotlib).
+A module registered here exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command path, module, help). Nested commands are written "group sub".
+COMMANDS: list[tuple[str, str, str]] = [
+    ("up", "cluster.launch_up", "start a local Ray cluster, deploy the app, print the URLs"),
+    ("deploy", "cluster.launch_deploy", "deploy a config to a running Ray cluster"),
+    ("status", "cluster.launch_status", "summarise tiers, replicas and load of a running app"),
+    ("demo", "cluster.demo", "build the demo family if missing and generate with target and draft"),
+    ("models build-demo", "models.demo_cli", "train the demo model family (tokenizer, target, draft, small)"),
+    ("models info", "models.info_cli", "print a checkpoint's parameters, weight bytes and KV bytes per token"),
+    ("bench engine", "cluster.bench_engine", "benchmark the engine side by side with transformers"),
+    ("simulate", "cluster.simulate", "run the capacity simulator on a scenario"),
+    ("keys add", "cluster.keys", "create an API key bound to a pricing plan"),
+]
+
+
+def _lazy(module: str):
+    """Import a subcommand module; a missing one reports cleanly instead of crashing --help."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return None
+        raise
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    wanted = " ".join(a for a in argv if not a.startswith("-"))
+    for path, module, help_text in COMMANDS:
+        words = path.split()
+        target = subparsers
+        if len(words) == 2:
+            if words[0] not in groups:
+                group = subparsers.add_parser(words[0], help=f"{words[0]} commands")
+                groups[words[0]] = group.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
+            target = groups[words[0]]
+        sub = target.add_parser(words[-1], help=help_text)
+        sub.set_defaults(_module=module)
+        # Only the chosen command imports its module (to add its arguments).
+        if wanted.startswith(path):
+            mod = _lazy(module)
+            if mod is not None:
+                mod.add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    module = getattr(args, "_module", None)
+    if module is None:
+        parser.print_help()
+        return 2
+    mod = _lazy(module)
+    if mod is None:
+        print(f"specserve: '{module}' is not available in this build", file=sys.stderr)
+        return 2
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
