@@ -1,0 +1,38 @@
+"""Engine configuration: a dataclass checked on construction (the API edge uses pydantic)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    target: str                          # local Hugging Face folder
+    draft: str | None = None             # None: baseline only
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
+    memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget
+    block_size: int = 16                 # target tokens per KV block
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None     # None: the target's max_position_embeddings
+    max_waiting: int = 256               # queue bound; beyond it add_request refuses (429)
+    adaptive_k: bool = True              # False: every speculative sequence drafts k_max each step
+    num_threads: int | None = None       # torch threads; None: min(2, free cores)
+    tp_size: int = 1
+    profile: bool = True                 # measure the step-cost model at start (cached)
+    cost_cache_dir: str | None = None    # None: ~/.cache/specserve/costs
+    prior_acceptance: float = 0.7        # acceptance assumed before any is measured
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 16:
+            raise ValueError("block_size, max_num_seqs >= 1 and max_num_batched_tokens >= 16")
+        if not 0.0 < self.prior_acceptance < 1.0:
+            raise ValueError("prior_acceptance must be in (0, 1)")
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+        if self.num_threads is None:
+            self.num_threads = max(1, min(2, len(os.sched_getaffinity(0))))

@@ -1,0 +1,367 @@
+"""Step-time cost model: what one target verify and one draft step cost, and the k that pays.
+
+The one cost model the engine, the router policy and the capacity simulator share. Pure Python:
+no torch, no Ray, no numpy, so `import engine.cost_model` is cheap everywhere.
+
+Vocabulary (DESIGN.md): a *step* is one target forward over a batch, preceded by up to k draft
+rounds. A cost model answers two questions, both in seconds:
+  target_s(num_seqs, num_tokens, context_tokens)  one target forward over num_seqs sequences
+      carrying num_tokens query tokens in total and reading context_tokens KV tokens in total;
+  draft_s(num_seqs, num_tokens, context_tokens)    one draft forward, same meaning.
+Two implementations: `LinearCost`/`LinearStepCost`, fitted to step times the engine profiles at
+start (cached as JSON), and `RooflineStepCost`, derived from hardware and model presets for
+machines we cannot run on (the simulator's 70B on four GPUs).
+
+`choose_k` picks per-sequence speculation lengths for one step by maximising batch goodput,
+expected emitted tokens over step time, with `expected_tokens(a, k) = (1 - a^(k+1)) / (1 - a)`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Protocol, Sequence
+
+GiB = 1024**3
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Expected tokens one step emits for a sequence: accepted draft tokens + 1 (recovered/bonus).
+
+    Assumes each draft token is accepted independently with probability a (Leviathan et al.).
+    """
+    if k <= 0 or a <= 0.0:
+        return 1.0
+    if a >= 1.0 - 1e-12:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class StepCostModel(Protocol):
+    def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float: ...
+
+    def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float: ...
+
+
+# ----------------------------------------------------------------------------- fitted (linear)
+
+
+@dataclass
+class LinearCost:
+    """seconds = fixed_s + per_seq_s * num_seqs + per_token_s * num_tokens + per_ctx_token_s * ctx."""
+
+    fixed_s: float
+    per_seq_s: float
+    per_token_s: float
+    per_ctx_token_s: float = 0.0
+
+    def __call__(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return (self.fixed_s + self.per_seq_s * num_seqs + self.per_token_s * num_tokens
+                + self.per_ctx_token_s * context_tokens)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, int, int, float]]) -> "LinearCost":
+        """Non-negative least squares on (num_seqs, num_tokens, context_tokens, seconds) samples.
+
+        Lawson-Hanson style active set on the 4x4 normal equations: solve, drop the most negative
+        coefficient, solve again. Columns that never vary (e.g. all context 0) get coefficient 0.
+        """
+        if not samples:
+            raise ValueError("LinearCost.fit needs at least one sample")
+        rows = [(1.0, float(n), float(t), float(c)) for n, t, c, _ in samples]
+        ys = [float(s) for *_, s in samples]
+        active = [j for j in range(4) if j == 0 or any(r[j] != 0.0 for r in rows)]
+        coef = [0.0] * 4
+        while active:
+            sol = _lstsq([[r[j] for j in active] for r in rows], ys)
+            if sol is None:          # collinear columns (e.g. num_tokens == num_seqs): drop one
+                active.pop()
+                continue
+            if min(sol) >= 0.0:
+                break
+            active.pop(min(range(len(sol)), key=sol.__getitem__))
+        for j, v in zip(active, sol or []):
+            coef[j] = max(0.0, v)
+        return cls(*coef)
+
+
+def _lstsq(x: list[list[float]], y: list[float]) -> list[float] | None:
+    """Least squares by the normal equations and Gaussian elimination; None if singular."""
+    m = len(x[0])
+    a = [[sum(r[i] * r[j] for r in x) for j in range(m)] + [sum(r[i] * v for r, v in zip(x, y))]
+         for i in range(m)]
+    for col in range(m):
+        piv = max(range(col, m), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-300:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(m):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [v - f * w for v, w in zip(a[r], a[col])]
+    return [a[i][m] / a[i][i] for i in range(m)]
+
+
+@dataclass
+class LinearStepCost:
+    """A StepCostModel from two fitted LinearCosts; the engine caches it as JSON."""
+
+    target: LinearCost
+    draft: LinearCost
+
+    def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return self.target(num_seqs, num_tokens, context_tokens)
+
+    def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return self.draft(num_seqs, num_tokens, context_tokens)
+
+    def to_dict(self) -> dict:
+        return {"target": asdict(self.target), "draft": asdict(self.draft)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LinearStepCost":
+        return cls(target=LinearCost(**d["target"]), draft=LinearCost(**d["draft"]))
+
+
+# ----------------------------------------------------------------------------- roofline presets
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Datasheet rates of one GPU, and the fraction of them a real kernel reaches."""
+
+    name: str
+    memory_bytes: int  # device memory
+    mem_bw_Bps: float  # datasheet HBM bandwidth, bytes/s
+    matmul_flops: float  # datasheet dense bf16 tensor-core rate, FLOP/s
+    link_Bps: float  # NVLink all-reduce bus bandwidth per GPU, bytes/s (achieved, nccl-tests)
+    allreduce_latency_s: float = 10e-6  # small-message all-reduce on NVLink, order of nccl-tests
+    # Achieved fractions, measured on this project's H200: 4.3 of 4.8 TB/s copy, 788 of 989
+    # TFLOP/s bf16 matmul. Applied to every preset (an assumption for A100 and H100).
+    mem_efficiency: float = 4.3 / 4.8
+    matmul_efficiency: float = 788.0 / 989.0
+
+    @property
+    def mem_bw(self) -> float:  # achieved bytes/s
+        return self.mem_bw_Bps * self.mem_efficiency
+
+    @property
+    def flops(self) -> float:  # achieved FLOP/s
+        return self.matmul_flops * self.matmul_efficiency
+
+
+GPUS: dict[str, GPUSpec] = {
+    # NVIDIA A100 datasheet (SXM4 80GB): 80 GB HBM2e (81,920 MiB), 2,039 GB/s, 312 TFLOP/s bf16
+    # dense, NVLink3 600 GB/s bidirectional (~230 GB/s all-reduce bus bandwidth in nccl-tests).
+    "A100-80GB": GPUSpec("A100-80GB", 80 * GiB, 2.039e12, 312e12, 230e9),
+    # NVIDIA H100 datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s bf16 dense,
+    # NVLink4 900 GB/s bidirectional (~360 GB/s all-reduce bus bandwidth).
+    "H100-SXM": GPUSpec("H100-SXM", 80 * GiB, 3.35e12, 989e12, 360e9),
+    # NVIDIA H200 datasheet: 141 GB HBM3e (about 140 GiB usable), 4.8 TB/s, 989 TFLOP/s bf16
+    # dense, NVLink4 900 GB/s. This project's H200 measured 4.3 TB/s copy, 788 TFLOP/s matmul.
+    "H200": GPUSpec("H200", 140 * GiB, 4.8e12, 989e12, 360e9),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape (Llama layout: GQA attention, SwiGLU MLP)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    head_dim: int = 0  # 0: hidden_size // num_heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.hd, self.num_kv_heads * self.hd
+        attn = h * q + 2 * h * kv + q * h  # q, k, v, o projections
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        return attn + mlp + 2 * h  # + two RMSNorm weights
+
+    def matmul_params(self) -> int:
+        """Weights every token multiplies by: all layers and the LM head (not the lookup)."""
+        return self.num_layers * self.layer_params() + self.vocab_size * self.hidden_size
+
+    def param_count(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return self.num_layers * self.layer_params() + embed + head + self.hidden_size
+
+    def weight_bytes(self, dtype_bytes: int = 2) -> int:
+        return self.param_count() * dtype_bytes
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.hd * dtype_bytes
+
+
+MODELS: dict[str, ModelSpec] = {
+    # meta-llama/Llama-2-70b-hf config.json (GQA, 8 KV heads)
+    "Llama-2-70B": ModelSpec("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000),
+    # meta-llama/Llama-2-7b-hf config.json (full multi-head attention: 32 KV heads)
+    "Llama-2-7B": ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000),
+    # meta-llama/Meta-Llama-3-8B config.json
+    "Llama-3-8B": ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256),
+    # meta-llama/Llama-3.2-1B config.json (head_dim 64, tied embeddings)
+    "Llama-3.2-1B": ModelSpec("Llama-3.2-1B", 16, 2048, 32, 8, 8192, 128256, True, 64),
+}
+
+
+@dataclass
+class RooflineStepCost:
+    """StepCostModel from a roofline: max(bytes / bandwidth, FLOPs / matmul rate) per forward,
+    plus tensor-parallel all-reduces over NVLink and a fixed per-forward overhead.
+
+    tp shards the target over tp GPUs; draft_tp shards the draft (1: whole on one GPU, which
+    then reads all draft weights alone while the other GPUs wait).
+    """
+
+    gpu: GPUSpec
+    target: ModelSpec
+    draft: ModelSpec | None = None
+    tp: int = 1
+    draft_tp: int = 1
+    dtype_bytes: int = 2
+    kv_dtype_bytes: int = 2
+    overhead_s: float = 2e-3  # per target step: scheduling, sampling, launches
+    draft_overhead_s: float = 0.5e-3  # per draft round (CUDA-graphed, no scheduling)
+
+    def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return self._forward_s(self.target, self.tp, num_seqs, num_tokens, context_tokens) + self.overhead_s
+
+    def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        if self.draft is None:
+            raise ValueError("RooflineStepCost has no draft model")
+        return (self._forward_s(self.draft, self.draft_tp, num_seqs, num_tokens, context_tokens)
+                + self.draft_overhead_s)
+
+    def _forward_s(self, m: ModelSpec, tp: int, num_seqs: int, num_tokens: int, ctx: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        kv_shards = min(tp, m.num_kv_heads)
+        kv_tok = m.kv_bytes_per_token(self.kv_dtype_bytes) / kv_shards
+        bytes_ = m.matmul_params() * self.dtype_bytes / tp + (ctx + num_tokens) * kv_tok
+        ctx_per_query = ctx / max(num_seqs, 1)
+        attn = 4 * m.num_layers * m.num_heads * m.hd * ctx_per_query  # QK^T and AV, per token
+        flops = num_tokens * (2 * m.matmul_params() + attn) / tp
+        t = max(bytes_ / self.gpu.mem_bw, flops / self.gpu.flops)
+        if tp > 1:  # two all-reduces per layer of [num_tokens, hidden] activations (ring)
+            msg = num_tokens * m.hidden_size * self.dtype_bytes * 2 * (tp - 1) / tp
+            t += 2 * m.num_layers * (self.gpu.allreduce_latency_s + msg / self.gpu.link_Bps)
+        return t
+
+
+# ----------------------------------------------------------------------------- choosing k
+
+
+def step_s(ks: Sequence[int], cost: StepCostModel, context_tokens: int = 0, extra_tokens: int = 0,
+           counts: Sequence[int] | None = None) -> float:
+    """Time of one step where sequence i drafts ks[i] tokens (counts[i] sequences alike, if given).
+
+    max(ks) draft rounds, round j over the n_j sequences with k >= j, then one target verify
+    over all sequences carrying sum(k + 1) + extra_tokens query tokens.
+    """
+    counts = [1] * len(ks) if counts is None else counts
+    batch = sum(counts)
+    drafted = sum(c * k for c, k in zip(counts, ks))
+    total = cost.target_s(batch, batch + drafted + extra_tokens, context_tokens)
+    for j in range(1, max(ks, default=0) + 1):
+        n_j = sum(c for c, k in zip(counts, ks) if k >= j)
+        total += cost.draft_s(n_j, n_j, context_tokens * n_j // batch)
+    return total
+
+
+def goodput(acceptance: Sequence[float], ks: Sequence[int], cost: StepCostModel,
+            context_tokens: int = 0, extra_tokens: int = 0,
+            counts: Sequence[int] | None = None) -> float:
+    """Expected tokens per second of decoding in one step.
+
+    extra_tokens (chunked prefill in the same forward) emit nothing here, and their own cost,
+    target_s(B, B + extra) - target_s(B, B), is charged to them, not to decoding: prefill time
+    is spent anyway, so speculation must pay against decode time alone.
+    """
+    counts = [1] * len(ks) if counts is None else counts
+    emitted = sum(c * expected_tokens(a, k) for a, k, c in zip(acceptance, ks, counts))
+    seconds = step_s(ks, cost, context_tokens, extra_tokens, counts)
+    if extra_tokens:
+        batch = sum(counts)
+        seconds -= (cost.target_s(batch, batch + extra_tokens, context_tokens)
+                    - cost.target_s(batch, batch, context_tokens))
+    return emitted / seconds
+
+
+def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostModel,
+             context_tokens: int = 0, extra_tokens: int = 0) -> list[int]:
+    """Per-sequence speculation length for one step, maximising batch goodput.
+
+    goodput = sum_i expected_tokens(a_i, k_i) / step_s, where
+    step_s = sum_{j=1..max k} cost.draft_s(n_j, n_j) + cost.target_s(B, sum_i (k_i + 1) + extra),
+    n_j = #sequences with k_i >= j. extra_tokens are other tokens riding in the same target
+    forward (chunked prefill), charged their own cost (see `goodput`). k_max[i] = 0 marks a
+    sequence in baseline mode.
+
+    Sequences with equal (a, k_max) are solved as one group. For each cap K = 1..max(k_max), a
+    Dinkelbach iteration on the linearised cost: every group takes the largest k <= K whose
+    marginal gain a^k beats lambda * (marginal cost per draft token); lambda is then the exact
+    goodput of that choice. The best exact goodput over the caps tried (and all-zero) wins; the
+    caps stop after two in a row fail to improve. A higher a never gets a smaller k.
+    """
+    batch = len(acceptance)
+    if batch == 0:
+        return []
+    counts: dict[tuple[float, int], int] = {}
+    for a, km in zip(acceptance, k_max):
+        key = (min(max(float(a), 0.0), 1.0), max(int(km), 0))
+        counts[key] = counts.get(key, 0) + 1
+    groups = list(counts)
+    k_top = max(km for _, km in groups)
+    if k_top == 0:
+        return [0] * batch
+    sizes = [counts[g] for g in groups]
+    accs = [g[0] for g in groups]
+    base_s = cost.target_s(batch, batch + extra_tokens, context_tokens)
+    best_ks = [0] * len(groups)
+    best_rate = goodput(accs, best_ks, cost, context_tokens, extra_tokens, sizes)
+    d_one = cost.draft_s(1, 1, context_tokens // batch)
+    d_slope = (cost.draft_s(batch, batch, context_tokens) - d_one) / (batch - 1) if batch > 1 else 0.0
+    misses = 0  # caps in a row that did not improve (goodput is unimodal in the cap in practice)
+    for cap in range(1, k_top + 1):
+        t_slope = (cost.target_s(batch, batch * (cap + 1) + extra_tokens, context_tokens) - base_s) / (batch * cap)
+        per_token_s = max(d_slope, 0.0) + max(t_slope, 0.0)
+        lam, seen, improved = best_rate, set(), False
+        for _ in range(6):
+            threshold = lam * per_token_s  # value of one draft token, in expected tokens
+            ks = [_largest_k(a, min(cap, km), threshold) for a, km in groups]
+            if tuple(ks) in seen:
+                break
+            seen.add(tuple(ks))
+            lam = goodput(accs, ks, cost, context_tokens, extra_tokens, sizes)
+            if lam > best_rate * (1 + 1e-12):
+                best_ks, best_rate, improved = ks, lam, True
+        misses = 0 if improved else misses + 1
+        if misses == 2:
+            break
+    by_group = dict(zip(groups, best_ks))
+    return [by_group[(min(max(float(a), 0.0), 1.0), max(int(km), 0))] for a, km in zip(acceptance, k_max)]
+
+
+def _largest_k(a: float, cap: int, threshold: float) -> int:
+    """Largest k <= cap with marginal gain a^k >= threshold (expected_tokens is concave in k)."""
+    if cap <= 0 or a <= 0.0:
+        return 0
+    if threshold <= 0.0:
+        return cap
+    if a >= 1.0:
+        return cap if threshold <= 1.0 else 0
+    if threshold >= 1.0:
+        return 0
+    return max(0, min(cap, int(math.log(threshold) / math.log(a) + 1e-9)))

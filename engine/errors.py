@@ -1,0 +1,18 @@
+"""Errors the engine raises to its caller; the HTTP side maps them to status codes."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus one generated token) does not fit the context or the KV budget."""
+
+    def __init__(self, num_tokens: int, limit: int, what: str = "the model's context length"):
+        self.num_tokens, self.limit = num_tokens, limit
+        super().__init__(f"prompt has {num_tokens} tokens, but {what} allows at most {limit} "
+                         f"(prompt + at least one new token)")
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; retry later (HTTP 429/503 with Retry-After)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped after an internal error; the replica should be replaced."""

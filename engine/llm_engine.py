@@ -1,0 +1,186 @@
+"""The synchronous engine: requests in, one batched step at a time, outputs out.
+
+Owns: building the models, KV pool, scheduler and cost model from an `EngineConfig`; admitting
+and aborting requests; running `step()` and turning its tokens into outputs with stop rules.
+Does not own: threads or asyncio (`engine/async_engine.py`), nor anything about tiers or HTTP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.cost_model import choose_k
+from engine.detokenizer import Detokenizer
+from engine.errors import EngineOverloadedError, PromptTooLongError
+from engine.kv_cache import BlockPool
+from engine.memory import kv_budget_bytes
+from engine.metrics import Metrics, MetricsSnapshot
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
+from engine.scheduler import Scheduler, SchedulerLimits
+from engine.sequence import Sequence
+from engine.spec_decode import StepResult, step
+from models.llama import LlamaForward
+from models.loader import check_compatible, load_model
+
+PRIOR_WEIGHT = 4.0     # pseudo-trials of the engine-wide acceptance behind each sequence's own
+EWMA = 0.05            # weight of one step in the engine-wide acceptance estimate
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, peers=None):
+        self.config = config
+        torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.target_model = load_model(config.target, config.dtype, config.device)
+        self.tokenizer = self.target_model.tokenizer
+        self.draft_model = None
+        if config.draft:
+            self.draft_model = load_model(config.draft, config.dtype, config.device)
+            check_compatible(self.target_model, self.draft_model)
+        tp = config.tp_size
+        self.target_fw = LlamaForward(self.target_model.model, rank=0, world=tp,
+                                      all_reduce=getattr(peers, "all_reduce", None))
+        self.draft_fw = LlamaForward(self.draft_model.model) if self.draft_model else None
+        t, d = self.target_fw.shape, self.draft_fw.shape if self.draft_fw else None
+        budget = config.kv_budget_bytes or kv_budget_bytes(config, self._weight_bytes())
+        self.pool = BlockPool(budget, (t.num_layers, t.num_kv_heads, t.head_dim), config.block_size,
+                              self.target_fw.dtype, config.device,
+                              (d.num_layers, d.num_kv_heads, d.head_dim) if d else None)
+        self.target = ModelRunner(self.target_fw, self.pool.view(self.pool.target), peers)
+        self.draft = (ModelRunner(self.draft_fw, self.pool.view(self.pool.draft))
+                      if self.draft_fw else None)
+        self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
+        self.cost = self._cost_model()
+        limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance)
+        self.metrics = Metrics()
+        self.global_acceptance = config.prior_acceptance
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, Detokenizer] = {}
+
+    def _weight_bytes(self) -> int:
+        return self.target_model.weight_bytes + (self.draft_model.weight_bytes if self.draft_model else 0)
+
+    def _cost_model(self):
+        from engine.profiler import load_or_profile
+
+        return load_or_profile(self)
+
+    # ---- adaptive k -------------------------------------------------------------------------
+    def _acceptance(self, seq: Sequence) -> float:
+        trials = seq.num_accepted + seq.num_rejections
+        return (seq.num_accepted + PRIOR_WEIGHT * self.global_acceptance) / (trials + PRIOR_WEIGHT)
+
+    def _choose_k(self, acceptance: list[float], k_max: list[int]) -> list[int]:
+        if not self.config.adaptive_k:
+            return list(k_max)
+        return choose_k(acceptance, k_max, self.cost)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    options: RequestOptions | None = None) -> None:
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + 1 > self.max_model_len:
+            raise PromptTooLongError(len(prompt_ids), self.max_model_len - 1)
+        if not self.scheduler.fits_ever(len(prompt_ids) + 1):
+            limit = self.pool.num_blocks * self.pool.target.tokens_per_block - 1
+            raise PromptTooLongError(len(prompt_ids), limit, "this replica's KV budget")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting")
+        vocab = self.target_model.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(request_id, list(prompt_ids), params, options or RequestOptions())
+        self.seqs[request_id] = seq
+        self.detok[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return self._output(seq, [], final=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        items = self.scheduler.schedule()
+        if not items:
+            return []
+        results = step(items, self.target, self.draft)
+        self.metrics.data.num_steps += 1
+        outputs = []
+        for r in results:
+            out = self._apply(r)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _apply(self, r: StepResult) -> RequestOutput | None:
+        seq, it = r.item.seq, r.item
+        if not r.tokens:                      # a prefill chunk: KV written, nothing sampled
+            seq.num_computed += it.num_feed
+            return None
+        old_len = len(seq.token_ids)
+        seq.num_computed = old_len + r.accepted
+        if it.k:
+            seq.draft_computed = old_len + min(r.accepted, it.k - 1)
+            seq.record_step(it.k, r.accepted)
+            trials = r.accepted + (r.accepted < it.k)
+            self.global_acceptance += EWMA * (r.accepted / trials - self.global_acceptance)
+        self.metrics.record(it.k, r.accepted, len(r.tokens))
+        new, reason = self._append_until_stop(seq, r.tokens)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        else:
+            self.scheduler.trim(seq)
+        return self._output(seq, new, final=reason is not None)
+
+    def _append_until_stop(self, seq: Sequence, tokens: list[int]):
+        p = seq.params
+        eos = self.target_model.config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None and not p.ignore_eos else set()
+        stop_ids = eos | set(p.stop_token_ids)
+        new = []
+        for t in tokens:
+            seq.token_ids.append(t)
+            new.append(t)
+            if t in stop_ids:
+                return new, FinishReason.STOP
+            if seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                return new, FinishReason.LENGTH
+        return new, None
+
+    def _output(self, seq: Sequence, new: list[int], final: bool) -> RequestOutput:
+        detok = self.detok[seq.request_id]
+        text_ids = [t for t in new if t not in seq.params.stop_token_ids]
+        if detok.add(text_ids) and not final:
+            self.scheduler.finish(seq, FinishReason.STOP)
+            final = True
+        if final:
+            del self.seqs[seq.request_id], self.detok[seq.request_id]
+        return RequestOutput(seq.request_id, detok.delta(final), new, final, seq.finish_reason,
+                             seq.num_prompt, seq.num_output, seq.mode, seq.acceptance_rate,
+                             seq.mean_acceptance_length)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        measured = self.metrics.data.acceptance_rate
+        return EngineStats(len(s.running), len(s.waiting),
+                           sum(q.speculative for q in s.running), self.pool.budget_bytes,
+                           self.pool.bytes_used("target"), self.pool.bytes_used("draft"),
+                           measured, self.max_model_len, self.cost.to_dict())
+
+    def snapshot(self) -> MetricsSnapshot:
+        s = self.scheduler
+        return self.metrics.snapshot(s.num_preemptions, s.num_spec_downgrades)

@@ -1,0 +1,51 @@
+"""One model's forward over the paged KV cache: token ids in, logits for chosen rows out.
+
+Owns: packing a ragged batch into flat tensors and running the model's forward with paged
+attention. With tensor parallelism the same inputs go to every rank (`peers`), each runs its
+shard, and rank 0 (this process) reads the logits. Does not own: sampling or scheduling.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.attention import PagedAttention, SeqSlice
+
+
+class Peers(Protocol):
+    """The other ranks of a tensor-parallel group (see deployments/tp_group.py)."""
+
+    def launch(self, input_ids: list[int], positions: list[int], seqs: list[SeqSlice]) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+class ModelRunner:
+    def __init__(self, forward, kv_view: torch.Tensor, peers: Peers | None = None):
+        self.forward = forward            # models.llama.LlamaForward
+        self.kv_view = kv_view            # [num_blocks, layers, 2, tokens_per_block, kv_heads, d]
+        self.peers = peers
+        self.scale = forward.shape.head_dim ** -0.5
+        self.device = forward.device
+
+    @torch.inference_mode()
+    def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],
+            logit_rows: list[int]) -> torch.Tensor:
+        """Feed `input_ids` (flat, sequence after sequence) -> logits [len(logit_rows), vocab]."""
+        if self.peers is not None:
+            self.peers.launch(input_ids, positions, seqs)
+        hidden = self.hidden(seqs, input_ids, positions)
+        if self.peers is not None:
+            self.peers.wait()
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        return self.forward.logits(hidden[rows])
+
+    @torch.inference_mode()
+    def hidden(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """The forward alone (what every rank of a tensor-parallel group runs)."""
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        attn = PagedAttention(self.kv_view, seqs, self.scale)
+        return self.forward.forward(ids, pos, attn)

@@ -1,0 +1,38 @@
+"""What the engine hands back: per-request deltas and a snapshot of its load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import FinishReason, Mode
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str                          # new text since the last output (may be "")
+    token_ids: list[int]               # new tokens since the last output
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    mode: Mode                         # the mode the request runs in now (may have dropped)
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_speculative: int
+    kv_budget_bytes: int
+    kv_used_target_bytes: int
+    kv_used_draft_bytes: int
+    acceptance_rate: float | None
+    max_model_len: int
+    cost_model: dict = field(default_factory=dict)
+
+    @property
+    def kv_free_bytes(self) -> int:
+        return self.kv_budget_bytes - self.kv_used_target_bytes - self.kv_used_draft_bytes

@@ -1,0 +1,114 @@
+"""Measuring the step-cost model at engine start, cached per model pair and device.
+
+Owns: timing a few target and draft forwards over batches of different sizes and query lengths,
+fitting `engine.cost_model.LinearStepCost` to them, and caching the fit as JSON (a second start
+with the same models, dtype, device and threads reads it back at once). A few seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.attention import SeqSlice
+from engine.cost_model import LinearCost, LinearStepCost
+from engine.kv_cache import blocks_needed
+
+CONTEXT = 64                      # cached tokens per sequence while timing
+GRID = [(1, 1), (1, 2), (1, 4), (1, 8), (4, 1), (4, 4), (16, 1), (16, 2), (16, 5)]
+REPEATS = 3
+
+
+def _key(engine) -> str:
+    c = engine.config
+    parts = [str(Path(c.target).resolve()), str(c.draft and Path(c.draft).resolve()), c.dtype,
+             c.device, str(c.num_threads), str(c.tp_size), torch.__version__, platform.processor(),
+             str(os.cpu_count())]
+    for folder in filter(None, [c.target, c.draft]):
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            parts.append(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _cache_dir(engine) -> Path:
+    return Path(engine.config.cost_cache_dir or Path.home() / ".cache" / "specserve" / "costs")
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_runner(runner, pool, owner: str, tpb: int, grid) -> list[tuple[int, int, int, float]]:
+    """Time `runner` over scratch sequences; every block is returned to the pool afterwards."""
+    samples = []
+    max_seqs = max(n for n, _ in grid)
+    per_seq = blocks_needed(CONTEXT + max(q for _, q in grid), tpb)
+    if per_seq * max_seqs > pool.num_free:
+        max_seqs = pool.num_free // per_seq
+        grid = [(n, q) for n, q in grid if n <= max_seqs]
+    tables = [pool.allocate(per_seq, owner) for _ in range(max_seqs)]
+    try:
+        fill = [SeqSlice(t, 0, CONTEXT) for t in tables]
+        runner.run(fill, [1] * CONTEXT * max_seqs, list(range(CONTEXT)) * max_seqs, [0])
+        for n, q in grid:
+            seqs = [SeqSlice(t, CONTEXT, q) for t in tables[:n]]
+            ids, pos = [1] * (n * q), list(range(CONTEXT, CONTEXT + q)) * n
+            rows = list(range(n * q))
+            times = []
+            for _ in range(REPEATS + 1):
+                _sync(runner.device)
+                start = time.perf_counter()
+                runner.run(seqs, ids, pos, rows)
+                _sync(runner.device)
+                times.append(time.perf_counter() - start)
+            samples.append((n, n * q, 0, statistics.median(times[1:])))  # context held fixed
+    finally:
+        for t in tables:
+            pool.free(t, owner)
+    return samples
+
+
+def profile(engine) -> tuple[LinearStepCost, dict]:
+    grid = [(n, q) for n, q in GRID if n <= engine.config.max_num_seqs]
+    pool = engine.pool
+    target = _time_runner(engine.target, pool, "target", pool.target.tokens_per_block, grid)
+    draft_fit = LinearCost(0.0, 0.0, 0.0)
+    draft = []
+    if engine.draft is not None:
+        draft = _time_runner(engine.draft, pool, "draft", pool.draft.tokens_per_block,
+                             [(n, q) for n in sorted({n for n, _ in grid}) for q in (1, 2)])
+        draft_fit = LinearCost.fit(draft)
+    cost = LinearStepCost(LinearCost.fit(target), draft_fit)
+    return cost, {"target_samples": target, "draft_samples": draft}
+
+
+def default_cost(engine) -> LinearStepCost:
+    """Without profiling: per-step overhead dominates, the draft costs its share of parameters."""
+    ratio = engine.draft_model.num_params / engine.target_model.num_params if engine.draft_model else 0
+    target = LinearCost(fixed_s=1e-2, per_seq_s=2e-4, per_token_s=5e-4)
+    return LinearStepCost(target, LinearCost(1e-2 * ratio, 2e-4 * ratio, 5e-4 * ratio))
+
+
+def load_or_profile(engine) -> LinearStepCost:
+    if not engine.config.profile:
+        return default_cost(engine)
+    path = _cache_dir(engine) / f"{_key(engine)}.json"
+    if path.exists():
+        try:
+            return LinearStepCost.from_dict(json.loads(path.read_text())["cost"])
+        except (KeyError, ValueError, TypeError):
+            pass
+    cost, samples = profile(engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"cost": cost.to_dict(), **samples}, indent=1))
+    tmp.replace(path)
+    return cost

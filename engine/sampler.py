@@ -1,0 +1,85 @@
+"""Turning logits into the distributions and tokens a request asked for.
+
+Owns: temperature, top-k and top-p applied row by row (the same function serves the target and
+the draft, so both distributions are processed alike before the accept test), and drawing from a
+distribution with a per-request `torch.Generator` so a seeded request is reproducible.
+Does not own: the accept/reject rule (`engine/rejection_sampler.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RowParams:
+    """Sampling settings for a set of rows, one entry per row."""
+    temperature: torch.Tensor        # [num_rows] float; rows with 0 are greedy
+    top_k: torch.Tensor              # [num_rows] long; 0 = off
+    top_p: torch.Tensor              # [num_rows] float; 1 = off
+    generators: list                 # [num_rows] torch.Generator or None (engine's default)
+
+    @classmethod
+    def build(cls, params: list, generators: list, device) -> "RowParams":
+        return cls(temperature=torch.tensor([p.temperature for p in params], device=device),
+                   top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+                   top_p=torch.tensor([p.top_p for p in params], device=device),
+                   generators=list(generators))
+
+    def select(self, rows: torch.Tensor) -> "RowParams":
+        idx = rows.tolist()
+        return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                         [self.generators[i] for i in idx])
+
+
+def probabilities(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
+    """[num_rows, vocab_size] logits -> probabilities after temperature, top-k and top-p.
+
+    Greedy rows (temperature 0) get a one-hot on their argmax, the exact limit of T -> 0.
+    """
+    logits = logits.float()
+    greedy = rp.temperature == 0
+    temp = torch.where(greedy, torch.ones_like(rp.temperature), rp.temperature)
+    logits = logits / temp[:, None]
+    if bool((rp.top_k > 0).any()) or bool((rp.top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        k = torch.where(rp.top_k > 0, rp.top_k.clamp(max=vocab), torch.full_like(rp.top_k, vocab))
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop = ranks >= k[:, None]                                            # beyond top-k
+        sorted_probs = sorted_logits.softmax(dim=-1).masked_fill(drop, 0.0)
+        sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs              # mass of better tokens
+        drop |= mass_before >= rp.top_p[:, None]                              # beyond top-p (keeps >= 1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def exponential_noise(shape_rows: int, width: int, generators: list, device) -> torch.Tensor:
+    """[rows, width] of Exp(1) draws, row i from generators[i] (None: the global generator)."""
+    noise = torch.empty(shape_rows, width, device=device)
+    for i, gen in enumerate(generators):
+        noise[i].exponential_(generator=gen)
+    return noise
+
+
+def uniforms(counts: list[int], generators: list, device) -> torch.Tensor:
+    """Flat U(0,1) draws: counts[i] of them from generators[i], concatenated."""
+    parts = [torch.rand(n, generator=gen, device=device) for n, gen in zip(counts, generators) if n]
+    return torch.cat(parts) if parts else torch.empty(0, device=device)
+
+
+def sample(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """One token per row from (possibly unnormalised) weights: argmax(w / E), E ~ Exp(1).
+
+    The exponential race picks j with probability w_j / sum(w); no normalisation needed.
+    """
+    noise = exponential_noise(probs.shape[0], probs.shape[1], generators, probs.device)
+    return (probs / noise).argmax(dim=-1)

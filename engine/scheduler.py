@@ -1,0 +1,195 @@
+"""Continuous batching under one KV byte budget.
+
+Owns: which sequences run in the next step, how many of their tokens are fed (prefill chunks),
+how many draft tokens each proposes (k, from the adaptive rule), and the blocks for all of it.
+Requests join and leave between steps. Does not own: the forward passes or sampling.
+
+Memory rule (DESIGN.md, "Memory is a budget"): a step only runs when every block it writes is
+allocated. When blocks run short the scheduler first drops speculation for the lowest-priority
+sequences (k = 0, draft KV freed, mode -> baseline for good), and only then preempts the
+lowest-priority sequences (all KV freed; they are prefilled again later, with the same tokens).
+New speculative requests are admitted as baseline when headroom is low. Nothing allocates
+outside this module, so the pool can never be overdrawn.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.kv_cache import BlockPool, blocks_needed
+from engine.sampling_params import FinishReason, Mode
+from engine.sequence import Sequence, Status
+
+# choose_k(acceptance per sequence, k_max per sequence) -> k per sequence
+ChooseK = Callable[[list[float], list[int]], list[int]]
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_feed: int     # tokens of seq.token_ids fed to the target this step, from num_computed
+    k: int            # draft tokens proposed this step (0: plain decoding or a prefill chunk)
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the sequence, so this step emits tokens for it."""
+        return self.seq.num_computed + self.num_feed == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    spec_min_free_fraction: float = 0.10   # below this headroom, new requests do not speculate
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, limits: SchedulerLimits, choose_k: ChooseK,
+                 acceptance: Callable[[Sequence], float]):
+        self.pool, self.limits = pool, limits
+        self.choose_k, self.acceptance = choose_k, acceptance
+        self.tpb = pool.target.tokens_per_block
+        self.draft_tpb = pool.draft.tokens_per_block if pool.draft else 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_spec_downgrades = 0
+
+    # ---- membership -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if self.pool.draft is None:
+            seq.mode = Mode.BASELINE
+        self.waiting.append(seq)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        return blocks_needed(num_tokens, self.tpb) <= self.pool.num_blocks
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark finished and free every block at once (also used for aborts)."""
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self._free_all(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- block bookkeeping ------------------------------------------------------------------
+    def _free_all(self, seq: Sequence) -> None:
+        self.pool.free(seq.blocks, "target")
+        seq.blocks = []
+        self._free_draft(seq)
+
+    def _free_draft(self, seq: Sequence) -> None:
+        self.pool.free(seq.draft_blocks, "draft")
+        seq.draft_blocks = []
+        seq.draft_computed = 0
+
+    def _need(self, item: ScheduledSeq) -> tuple[int, int]:
+        s = item.seq
+        target = blocks_needed(s.num_computed + item.num_feed + item.k, self.tpb) - len(s.blocks)
+        draft = 0
+        if item.k:
+            draft = blocks_needed(len(s.token_ids) + item.k - 1, self.draft_tpb) - len(s.draft_blocks)
+        return max(target, 0), max(draft, 0)
+
+    def trim(self, seq: Sequence) -> None:
+        """After a step: free blocks past what the kept tokens need (rejected drafts' slots)."""
+        keep = blocks_needed(len(seq.token_ids), self.tpb)
+        if len(seq.blocks) > keep:
+            self.pool.free(seq.blocks[keep:], "target")
+            del seq.blocks[keep:]
+        if seq.draft_blocks:
+            keep = blocks_needed(len(seq.token_ids), self.draft_tpb)
+            if len(seq.draft_blocks) > keep:
+                self.pool.free(seq.draft_blocks[keep:], "draft")
+                del seq.draft_blocks[keep:]
+
+    # ---- the decision -----------------------------------------------------------------------
+    def _downgrade(self, seq: Sequence) -> None:
+        seq.mode = Mode.BASELINE
+        self._free_draft(seq)
+        self.num_spec_downgrades += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free_all(seq)
+        self.running.remove(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _victims(self) -> list[Sequence]:
+        """Lowest priority first; among equals, the latest arrival first."""
+        return sorted(self.running, key=lambda s: (s.options.priority, -s.arrival))
+
+    def schedule(self) -> list[ScheduledSeq]:
+        limits = self.limits
+        budget = limits.max_num_batched_tokens
+        items: dict[int, ScheduledSeq] = {}
+        # 1. Running sequences: decode items (with k) and prefill continuations.
+        decode = [s for s in self.running if not s.in_prefill]
+        spec = [s for s in decode if s.speculative]
+        ks = {}
+        if spec:
+            room = [min(s.options.k_max, limits.max_model_len - len(s.token_ids) - 1,
+                        s.params.max_tokens - s.num_output - 1) for s in spec]
+            chosen = self.choose_k([self.acceptance(s) for s in spec], [max(r, 0) for r in room])
+            ks = {id(s): k for s, k in zip(spec, chosen)}
+        for s in self.running:
+            if s.in_prefill:
+                n = min(len(s.token_ids) - s.num_computed, max(budget, 1))
+                items[id(s)] = ScheduledSeq(s, n, 0)
+                budget -= n
+            else:
+                k = ks.get(id(s), 0)
+                items[id(s)] = ScheduledSeq(s, len(s.token_ids) - s.num_computed, k)
+                budget -= 1 + k
+        # 2. Make the blocks fit: drop speculation first, then preempt.
+        while sum(sum(self._need(it)) for it in items.values()) > self.pool.num_free:
+            spec_victims = [s for s in self._victims()
+                            if s.speculative and (items[id(s)].k or s.draft_blocks)]
+            if spec_victims:
+                victim = spec_victims[0]
+                items[id(victim)].k = 0
+                self._downgrade(victim)
+                continue
+            victim = self._victims()[0]
+            if len(self.running) == 1:   # alone and still too long for the whole pool
+                self.finish(victim, FinishReason.LENGTH)
+            else:
+                self._preempt(victim)
+            del items[id(victim)]
+        for it in items.values():
+            self._allocate(it)
+        # 3. Admit waiting sequences while tokens, sequence slots and blocks allow.
+        while self.waiting and len(self.running) < limits.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            item = ScheduledSeq(seq, n, 0)
+            need = self._need(item)[0]
+            growth_reserve = len(self.running)       # one block each for running sequences
+            if need > self.pool.num_free - growth_reserve:
+                break
+            self.waiting.popleft()
+            if seq.speculative:
+                free_after = self.pool.num_free - need
+                if free_after < limits.spec_min_free_fraction * self.pool.num_blocks:
+                    self._downgrade(seq)
+            self._allocate(item)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            items[id(seq)] = item
+            budget -= n
+        return list(items.values())
+
+    def _allocate(self, item: ScheduledSeq) -> None:
+        target, draft = self._need(item)
+        if target:
+            item.seq.blocks += self.pool.allocate(target, "target")
+        if draft:
+            item.seq.draft_blocks += self.pool.allocate(draft, "draft")

@@ -1,0 +1,106 @@
+"""One engine step: draft proposes, target verifies, rejection sampling accepts.
+
+The loop reads top to bottom (as gpt-fast's `speculative_decode`, batched): 1. the draft runs k
+rounds over the speculative sequences (its first round also catches up on tokens it has not
+seen); 2. the target runs ONE forward over every scheduled sequence, each contributing its
+unseen tokens plus its k drafts; 3. the rejection sampler keeps accepted + 1 tokens per sequence.
+Sequences with k = 0 (baseline, or speculation not paying this step) ride in the same forward.
+The math lives in `engine/sampler.py` and `engine/rejection_sampler.py`; the KV rollback is only
+a count (`num_computed`), since slots past it are simply overwritten later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import SeqSlice
+from engine.model_runner import ModelRunner
+from engine.rejection_sampler import rejection_sample
+from engine.sampler import RowParams, probabilities, sample, uniforms
+from engine.scheduler import ScheduledSeq
+
+
+@dataclass
+class StepResult:
+    item: ScheduledSeq
+    accepted: int            # draft tokens accepted (0 when k == 0)
+    tokens: list[int]        # emitted tokens: accepted drafts + one recovered/bonus token
+
+
+def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy: bool):
+    """k_i draft tokens for each item -> (flat ids [sum k], flat q rows [sum k, vocab] or None)."""
+    drafted: list[list[int]] = [[] for _ in items]
+    probs: list[list[torch.Tensor]] = [[] for _ in items]
+    for j in range(max(it.k for it in items)):
+        active = [i for i, it in enumerate(items) if it.k > j]
+        seqs, ids, pos, rows = [], [], [], []
+        for i in active:
+            s = items[i].seq
+            if j == 0:   # catch up on everything the draft has not seen, ending with the last token
+                start, feed = s.draft_computed, s.token_ids[s.draft_computed:]
+            else:
+                start, feed = len(s.token_ids) + j - 1, [drafted[i][-1]]
+            seqs.append(SeqSlice(s.draft_blocks, start, len(feed)))
+            ids += feed
+            pos += range(start, start + len(feed))
+            rows.append(len(ids) - 1)
+        logits = draft.run(seqs, ids, pos, rows)                            # [len(active), vocab]
+        if greedy:
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            sub = rp.select(torch.tensor(active))
+            q = probabilities(logits, sub)
+            tokens = sample(q, sub.generators).tolist()
+            for i, row in zip(active, q):
+                probs[i].append(row)
+        for i, t in zip(active, tokens):
+            drafted[i].append(t)
+    for it in items:   # provisional: corrected to the accepted prefix after verification
+        it.seq.draft_computed = len(it.seq.token_ids) + it.k - 1
+    flat_ids = torch.tensor([t for d in drafted for t in d], dtype=torch.long)
+    flat_q = None if greedy else torch.stack([r for p in probs for r in p])
+    return drafted, flat_ids, flat_q
+
+
+def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | None) -> list[StepResult]:
+    sampling = [it for it in items if it.samples]
+    spec = [it for it in sampling if it.k > 0]
+    greedy = all(it.seq.params.greedy for it in sampling)
+    rp = RowParams.build([it.seq.params for it in sampling],
+                         [it.seq.generator for it in sampling], target.device)
+    drafted = {}
+    draft_ids, draft_q = torch.empty(0, dtype=torch.long), None
+    if spec:
+        spec_rows = [sampling.index(it) for it in spec]
+        lists, draft_ids, draft_q = propose(draft, spec, rp.select(torch.tensor(spec_rows)), greedy)
+        drafted = {id(it): d for it, d in zip(spec, lists)}
+
+    # Verify: one target forward over every scheduled sequence.
+    seqs, ids, pos, rows = [], [], [], []
+    for it in items:
+        s = it.seq
+        feed = s.token_ids[s.num_computed:s.num_computed + it.num_feed] + drafted.get(id(it), [])
+        seqs.append(SeqSlice(s.blocks, s.num_computed, len(feed)))
+        ids += feed
+        pos += range(s.num_computed, s.num_computed + len(feed))
+        if it.samples:
+            rows += range(len(ids) - it.k - 1, len(ids))
+    if not sampling:
+        target.run(seqs, ids, pos, [0])
+        return [StepResult(it, 0, []) for it in items]
+    logits = target.run(seqs, ids, pos, rows)                          # [sum(k+1), vocab]
+
+    # Accept: flat drafts over the sampling sequences (k = 0 for those not speculating).
+    ks = [it.k for it in sampling]
+    p, u = None, None
+    if not greedy:
+        per_row = torch.repeat_interleave(torch.arange(len(sampling)), torch.tensor(ks) + 1)
+        p = probabilities(logits, rp.select(per_row))
+        u = uniforms(ks, rp.generators, target.device)
+    accepted, emitted = rejection_sample(draft_ids, ks, logits.argmax(dim=-1),
+                                         [it.seq.params.greedy for it in sampling],
+                                         p, draft_q, u, rp.generators)
+    results = {id(it): StepResult(it, a, t) for it, a, t in zip(sampling, accepted, emitted)}
+    return [results.get(id(it), StepResult(it, 0, [])) for it in items]

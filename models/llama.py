@@ -1,0 +1,181 @@
+"""Our own forward for the Llama family, on the weights transformers loaded.
+
+Owns the math of one forward over a flat, ragged batch of tokens: embeddings, RMSNorm, rotary
+embeddings, fused projections, the MLP, the final norm and the LM head. Attention over cached
+keys and values is NOT here: each layer calls `attn(layer_idx, q, k, v)`, given by the caller
+(the engine's paged KV cache), so this module knows nothing of blocks, sequences or budgets.
+
+Why our own forward: transformers' modules pad a batch to its longest sequence and carry a
+per-layer cache object; a speculative step mixes sequences of 1 to k+1 query tokens, so we run
+the linear layers over the flat `[num_tokens, hidden]` batch instead. A test holds our logits to
+transformers' within 1e-4 in float32.
+
+Tensor parallelism (Megatron style), named where each weight is built: the fused `qkv` and
+`gate_up` projections are split by output rows across ranks (column parallel), `o_proj` and
+`down_proj` by input columns (row parallel, followed by an all-reduce). Which projection is
+column- or row-parallel is read from transformers' own `base_model_tp_plan` for the architecture,
+so the split is the one transformers' native tensor-parallel plan declares. Embeddings, norms and
+the LM head are replicated (they are small next to the layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# attn(layer_idx, q [num_tokens, num_heads, head_dim], k, v [num_tokens, num_kv_heads, head_dim])
+#   -> [num_tokens, num_heads * head_dim]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+SUPPORTED = {"llama", "mistral", "qwen2"}
+
+
+@dataclass
+class LlamaShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int          # per rank
+    num_kv_heads: int       # per rank
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+
+    @classmethod
+    def from_config(cls, config, tp_size: int = 1) -> "LlamaShape":
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % tp_size or kv_heads % tp_size:
+            raise ValueError(f"tp_size {tp_size} must divide the heads ({heads}) and KV heads "
+                             f"({kv_heads})")
+        return cls(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                   num_heads=heads // tp_size, num_kv_heads=kv_heads // tp_size,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps)
+
+
+def _split(weight: torch.Tensor, style: str, rank: int, world: int, dim_rows: int) -> torch.Tensor:
+    """Take this rank's part of a weight: 'colwise' splits output rows, 'rowwise' input columns."""
+    if world == 1:
+        return weight
+    dim = 0 if style == "colwise" else 1
+    return weight.chunk(world, dim=dim)[rank].contiguous()
+
+
+class LlamaLayerWeights:
+    """One decoder layer, with fused and (for tp_size > 1) split weights."""
+
+    def __init__(self, layer, plan: dict, rank: int, world: int):
+        attn, mlp = layer.self_attn, layer.mlp
+        style = {name: plan.get(f"layers.*.{name}", "replicate") for name in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+        def part(module, name):
+            return _split(module.weight.data, style[name], rank, world, 0)
+
+        def part_bias(module, name):
+            if module.bias is None:
+                return None
+            return module.bias.data if style[name] == "rowwise" else _split(
+                module.bias.data, style[name], rank, world, 0)
+
+        self.input_norm = layer.input_layernorm.weight.data
+        self.post_norm = layer.post_attention_layernorm.weight.data
+        # Column parallel: each rank holds its heads' rows of q, k, v, fused into one matmul.
+        self.qkv = torch.cat([part(attn.q_proj, "self_attn.q_proj"), part(attn.k_proj, "self_attn.k_proj"),
+                              part(attn.v_proj, "self_attn.v_proj")], dim=0)
+        biases = [part_bias(attn.q_proj, "self_attn.q_proj"), part_bias(attn.k_proj, "self_attn.k_proj"),
+                  part_bias(attn.v_proj, "self_attn.v_proj")]
+        self.qkv_bias = torch.cat(biases) if biases[0] is not None else None
+        # Row parallel: each rank holds the input columns of its heads; partial sums are all-reduced.
+        self.o_proj = part(attn.o_proj, "self_attn.o_proj")
+        self.o_bias = attn.o_proj.bias.data if attn.o_proj.bias is not None and rank == 0 else None
+        # Column parallel gate and up (fused), row parallel down.
+        self.gate_up = torch.cat([part(mlp.gate_proj, "mlp.gate_proj"), part(mlp.up_proj, "mlp.up_proj")], dim=0)
+        self.down = part(mlp.down_proj, "mlp.down_proj")
+        self.down_bias = mlp.down_proj.bias.data if getattr(mlp.down_proj, "bias", None) is not None and rank == 0 else None
+
+
+class LlamaForward:
+    """Runs a transformers Llama-family model's weights on a flat batch of tokens.
+
+    `rank`/`world` shard the weights; `all_reduce` (e.g. a timed gloo/NCCL all-reduce) sums the
+    row-parallel partial outputs and is required when world > 1.
+    """
+
+    def __init__(self, hf_model, rank: int = 0, world: int = 1,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        config = hf_model.config
+        if config.model_type not in SUPPORTED:
+            raise ValueError(f"the engine runs the Llama family {sorted(SUPPORTED)}; "
+                             f"got model_type {config.model_type!r}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {config.hidden_act!r}")
+        if world > 1 and all_reduce is None:
+            raise ValueError("tensor parallelism needs an all_reduce function")
+        self.config = config
+        self.shape = LlamaShape.from_config(config, world)
+        self.rank, self.world, self.all_reduce = rank, world, all_reduce
+        plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+        base = hf_model.model
+        self.embed = base.embed_tokens.weight.data
+        self.final_norm = base.norm.weight.data
+        self.lm_head = hf_model.lm_head.weight.data
+        self.layers = [LlamaLayerWeights(layer, plan, rank, world) for layer in base.layers]
+        rotary = base.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().float()           # [head_dim / 2]
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As transformers: normalise in float32, cast back, then scale.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps)
+        return weight * normed.to(x.dtype)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for each position: [num_tokens, head_dim], in the model dtype."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionFn) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        s = self.shape
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(positions)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        for i, layer in enumerate(self.layers):
+            x = self._norm(hidden, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = self._rope(q.view(-1, s.num_heads, s.head_dim), cos, sin)
+            k = self._rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
+            v = v.view(-1, s.num_kv_heads, s.head_dim)
+            out = F.linear(attn(i, q, k, v), layer.o_proj, layer.o_bias)
+            if self.world > 1:
+                out = self.all_reduce(out)
+            hidden = hidden + out
+            x = self._norm(hidden, layer.post_norm)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            out = F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            if self.world > 1:
+                out = self.all_reduce(out)
+            hidden = hidden + out
+        return self._norm(hidden, self.final_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] in float32."""
+        return F.linear(hidden, self.lm_head).float()

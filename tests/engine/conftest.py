@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def make_engine(tiny_family):
+    def make(draft=True, **kw):
+        kw.setdefault("kv_budget_bytes", 8 << 20)
+        kw.setdefault("profile", False)
+        kw.setdefault("num_threads", 1)
+        return LLMEngine(EngineConfig(str(tiny_family["target"]),
+                                      str(tiny_family["draft"]) if draft else None, **kw))
+    return make
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_family):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_family["target"])).eval()
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def run_all(engine, arrivals=None):
+    """Step until done; arrivals: {step_index: [(request_id, prompt, params, options)]}."""
+    outs, finals, step = {}, {}, 0
+    arrivals = dict(arrivals or {})
+    while engine.has_unfinished() or arrivals:
+        for args in arrivals.pop(step, []):
+            engine.add_request(*args)
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finished:
+                finals[o.request_id] = o
+        step += 1
+        assert step < 10_000
+    return outs, finals

@@ -1,0 +1,59 @@
+"""Our Llama forward over the paged cache gives transformers' logits (float32, 1e-4)."""
+
+import torch
+
+from engine.attention import PagedAttention, SeqSlice
+from engine.kv_cache import BlockPool
+from models.llama import LlamaForward
+from models.loader import load_model
+
+
+def _setup(path):
+    m = load_model(path)
+    fw = LlamaForward(m.model)
+    s = fw.shape
+    pool = BlockPool(4 << 20, (s.num_layers, s.num_kv_heads, s.head_dim), 4, torch.float32, "cpu")
+    return m, fw, pool, pool.view(pool.target), s.head_dim ** -0.5
+
+
+def test_prefill_then_ragged_decode_matches_transformers(tiny_family):
+    m, fw, pool, view, scale = _setup(tiny_family["target"])
+    torch.manual_seed(0)
+    ids = torch.randint(1, 300, (3, 13))
+    with torch.no_grad():
+        ref = m.model(ids).logits                                   # [3, 13, vocab]
+    tables = [pool.allocate(4, "target") for _ in range(3)]
+    lens = [9, 5, 12]                                               # prefill lengths differ
+    attn = PagedAttention(view, [SeqSlice(t, 0, n) for t, n in zip(tables, lens)], scale)
+    flat = torch.cat([ids[i, :n] for i, n in enumerate(lens)])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    logits = fw.logits(fw.forward(flat, pos, attn))
+    start = 0
+    for i, n in enumerate(lens):
+        assert torch.allclose(logits[start:start + n], ref[i, :n], atol=1e-4)
+        start += n
+    # Then a verify-like step: 4, 1 and 1 query tokens (grouped, padded attention).
+    more = [4, 1, 1]
+    attn = PagedAttention(view, [SeqSlice(t, n, q) for t, n, q in zip(tables, lens, more)], scale)
+    flat = torch.cat([ids[i, n:n + q] for i, (n, q) in enumerate(zip(lens, more))])
+    pos = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, more)])
+    logits = fw.logits(fw.forward(flat, pos, attn))
+    start = 0
+    for i, (n, q) in enumerate(zip(lens, more)):
+        assert torch.allclose(logits[start:start + q], ref[i, n:n + q], atol=1e-4)
+        start += q
+
+
+def test_draft_view_shares_the_pool(tiny_family):
+    d = load_model(tiny_family["draft"])
+    t = load_model(tiny_family["target"])
+    ft, fd = LlamaForward(t.model), LlamaForward(d.model)
+    st, sd = ft.shape, fd.shape
+    pool = BlockPool(1 << 20, (st.num_layers, st.num_kv_heads, st.head_dim), 16, torch.float32, "cpu",
+                     (sd.num_layers, sd.num_kv_heads, sd.head_dim))
+    assert pool.view(pool.draft).data_ptr() == pool.pool.data_ptr()
+    assert pool.draft.elems_per_block <= pool.block_elems
+    blocks = pool.allocate(3, "draft")
+    assert pool.bytes_used("draft") == 3 * pool.block_bytes
+    pool.free(blocks, "draft")
+    assert pool.bytes_used("draft") == 0 and pool.num_free == pool.num_blocks
