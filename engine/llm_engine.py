@@ -41,6 +41,9 @@ class LLMEngine:
             self.draft_model = load_model(config.draft, config.dtype, config.device)
             check_compatible(self.target_model, self.draft_model)
         tp = config.tp_size
+        if tp > 1 and (peers is None or not config.kv_budget_bytes):
+            raise ValueError("tp_size > 1 needs the other ranks (peers) and an explicit "
+                             "kv_budget_bytes, the same on every rank")
         self.target_fw = LlamaForward(self.target_model.model, rank=0, world=tp,
                                       all_reduce=getattr(peers, "all_reduce", None))
         self.draft_fw = LlamaForward(self.draft_model.model) if self.draft_model else None
