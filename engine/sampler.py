@@ -66,13 +66,17 @@ def exponential_noise(shape_rows: int, width: int, generators: list, device) -> 
     """[rows, width] of Exp(1) draws, row i from generators[i] (None: the global generator)."""
     noise = torch.empty(shape_rows, width, device=device)
     for i, gen in enumerate(generators):
-        noise[i].exponential_(generator=gen)
+        if gen is None or gen.device == noise.device:
+            noise[i].exponential_(generator=gen)
+        else:   # a seeded request's CPU generator: draw there, so the seed means the same
+            noise[i] = torch.empty(width).exponential_(generator=gen).to(device)
     return noise
 
 
 def uniforms(counts: list[int], generators: list, device) -> torch.Tensor:
     """Flat U(0,1) draws: counts[i] of them from generators[i], concatenated."""
-    parts = [torch.rand(n, generator=gen, device=device) for n, gen in zip(counts, generators) if n]
+    parts = [torch.rand(n, generator=gen, device=gen.device if gen is not None else device).to(device)
+             for n, gen in zip(counts, generators) if n]
     return torch.cat(parts) if parts else torch.empty(0, device=device)
 
 

@@ -59,7 +59,7 @@ def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy
             drafted[i].append(t)
     for it in items:   # provisional: corrected to the accepted prefix after verification
         it.seq.draft_computed = len(it.seq.token_ids) + it.k - 1
-    flat_ids = torch.tensor([t for d in drafted for t in d], dtype=torch.long)
+    flat_ids = torch.tensor([t for d in drafted for t in d], dtype=torch.long, device=draft.device)
     flat_q = None if greedy else torch.stack([r for p in probs for r in p])
     return drafted, flat_ids, flat_q
 
@@ -71,7 +71,7 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
     rp = RowParams.build([it.seq.params for it in sampling],
                          [it.seq.generator for it in sampling], target.device)
     drafted = {}
-    draft_ids, draft_q = torch.empty(0, dtype=torch.long), None
+    draft_ids, draft_q = torch.empty(0, dtype=torch.long, device=target.device), None
     if spec:
         spec_rows = [sampling.index(it) for it in spec]
         lists, draft_ids, draft_q = propose(draft, spec, rp.select(torch.tensor(spec_rows)), greedy)
