@@ -2,14 +2,19 @@
 
 Owns: the single pool of fixed-size blocks that holds every sequence's keys and values, for the
 target and the draft alike, and the accounting of it in bytes. A block is `block_bytes` long
-(`block_size` target tokens across all target layers); a draft block is the same bytes and holds
-as many draft tokens as fit (a draft token is cheaper). So a speculative sequence is charged for
-both models out of one budget, and memory freed by one model is reused by the other at once.
+(`tokens_per_block` target tokens across all target layers); a draft block is the same bytes and
+holds as many draft tokens as fit (a draft token is cheaper). So a speculative sequence is charged
+for both models out of one budget, and memory freed by one model is reused by the other at once.
 Does not own: which sequence gets blocks (the scheduler) nor attention (`engine/attention.py`).
 
 Layout: `pool` is `[num_blocks, block_elems]`; each model sees it through a view
-`[num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]` over the first elements
-of every block (2 = key, value).
+`[num_blocks, tokens_per_block, num_layers, 2, num_kv_heads, head_dim]` (2 = key, value).
+Tokens are the outer dimension inside a block and a block is exactly `tokens_per_block` tokens
+of its model, so the tokens of consecutive blocks are evenly strided: a sequence whose blocks are
+consecutive has its keys of one layer as a plain strided view, and attention reads them in place
+without gathering. The allocator therefore tries to keep each sequence's blocks consecutive
+(it places a new sequence in the middle of the largest free run, and extends a sequence with the
+block after its last one when that is free); when it cannot, attention gathers the blocks.
 """
 
 from __future__ import annotations
@@ -40,8 +45,18 @@ class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than asked for (the scheduler checks first)."""
 
 
+def _tokens_per_block(block_size: int, target_elems: int, draft_elems: int | None) -> int:
+    """The smallest multiple of block_size whose block a draft fills exactly (if one is near)."""
+    if draft_elems is None:
+        return block_size
+    for m in range(1, 17):
+        if (m * block_size * target_elems) % draft_elems == 0:
+            return m * block_size
+    return block_size
+
+
 class BlockPool:
-    """A fixed number of equal blocks carved out of a byte budget, and a free list."""
+    """A fixed number of equal blocks carved out of a byte budget, and their allocator."""
 
     def __init__(self, budget_bytes: int, target: tuple[int, int, int], block_size: int,
                  dtype: torch.dtype, device: torch.device | str,
@@ -49,13 +64,14 @@ class BlockPool:
         """target, draft: (num_layers, num_kv_heads, head_dim) of each model's (per-rank) KV."""
         self.dtype = dtype
         self.element_size = torch.empty((), dtype=dtype).element_size()
-        self.target = KVLayout(*target, tokens_per_block=block_size)
+        draft_elems = 2 * draft[0] * draft[1] * draft[2] if draft else None
+        tpb = _tokens_per_block(block_size, 2 * target[0] * target[1] * target[2], draft_elems)
+        self.target = KVLayout(*target, tokens_per_block=tpb)
         self.block_elems = self.target.elems_per_block
         self.block_bytes = self.block_elems * self.element_size
         self.draft = None
         if draft is not None:
-            per_token = 2 * draft[0] * draft[1] * draft[2]
-            tokens = self.block_elems // per_token
+            tokens = self.block_elems // draft_elems
             if tokens < 1:
                 raise ValueError("a draft token's KV is larger than a whole target block; "
                                  "raise block_size")
@@ -66,28 +82,79 @@ class BlockPool:
                              f"{self.block_bytes} bytes")
         self.budget_bytes = self.num_blocks * self.block_bytes
         self.pool = torch.empty(self.num_blocks, self.block_elems, dtype=dtype, device=device)
-        self._free = list(range(self.num_blocks - 1, -1, -1))   # pop() hands out low ids first
+        self._free = bytearray(b"\x01") * self.num_blocks     # 1 = free
+        self.num_free = self.num_blocks
         self.used_by = {"target": 0, "draft": 0}
 
     def view(self, layout: KVLayout) -> torch.Tensor:
-        """[num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim], sharing `pool`."""
+        """[num_blocks, tokens_per_block, num_layers, 2, num_kv_heads, head_dim], sharing `pool`."""
         return self.pool[:, :layout.elems_per_block].view(
-            self.num_blocks, layout.num_layers, 2, layout.tokens_per_block,
+            self.num_blocks, layout.tokens_per_block, layout.num_layers, 2,
             layout.num_kv_heads, layout.head_dim)
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def evenly_strided(self, layout: KVLayout) -> bool:
+        """Consecutive blocks hold evenly spaced tokens (so they can be read in place)."""
+        return layout.elems_per_block == self.block_elems
 
-    def allocate(self, n: int, owner: str) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
+    # ---- allocation -------------------------------------------------------------------------
+    def allocate(self, n: int, owner: str, after: int | None = None) -> list[int]:
+        """n blocks; consecutive after block `after` when possible, else from a free run."""
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free")
+        if n == 0:
+            return []
+        start = None
+        if after is not None and self._free[after + 1:after + 1 + n] == b"\x01" * n:
+            start = after + 1
+        elif after is None:
+            start = self._place(n)
+        if start is not None:
+            blocks = list(range(start, start + n))
+        else:
+            blocks = self._scattered(n, 0 if after is None else after + 1)
+        for b in blocks:
+            self._free[b] = 0
+        self.num_free -= n
         self.used_by[owner] += n
-        return [self._free.pop() for _ in range(n)]
+        return blocks
+
+    def _runs(self):
+        """(start, length) of every free run."""
+        pos, free = 0, self._free
+        while True:
+            start = free.find(1, pos)
+            if start < 0:
+                return
+            end = free.find(0, start)
+            end = len(free) if end < 0 else end
+            yield start, end - start
+            pos = end
+
+    def _place(self, n: int) -> int | None:
+        """A new sequence goes to the largest free run: at its start if nothing precedes it,
+        else at its middle, leaving the sequence before it room to grow."""
+        best = max(self._runs(), key=lambda r: r[1], default=None)
+        if best is None or best[1] < n:
+            return None
+        start, length = best
+        return start if start == 0 else start + (length - n) // 2
+
+    def _scattered(self, n: int, near: int) -> list[int]:
+        blocks, pos = [], near
+        while len(blocks) < n:
+            b = self._free.find(1, pos)
+            if b < 0:
+                b = self._free.find(1)
+            blocks.append(b)
+            self._free[b] = 0          # provisional, so find() moves on; set again by caller
+            pos = b + 1
+        return blocks
 
     def free(self, blocks: list[int], owner: str) -> None:
+        for b in blocks:
+            self._free[b] = 1
+        self.num_free += len(blocks)
         self.used_by[owner] -= len(blocks)
-        self._free.extend(blocks)
 
     def bytes_used(self, owner: str) -> int:
         return self.used_by[owner] * self.block_bytes

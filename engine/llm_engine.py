@@ -52,8 +52,10 @@ class LLMEngine:
         self.pool = BlockPool(budget, (t.num_layers, t.num_kv_heads, t.head_dim), config.block_size,
                               self.target_fw.dtype, config.device,
                               (d.num_layers, d.num_kv_heads, d.head_dim) if d else None)
-        self.target = ModelRunner(self.target_fw, self.pool.view(self.pool.target), peers)
-        self.draft = (ModelRunner(self.draft_fw, self.pool.view(self.pool.draft))
+        pool = self.pool
+        self.target = ModelRunner(self.target_fw, pool.view(pool.target),
+                                  pool.evenly_strided(pool.target), peers)
+        self.draft = (ModelRunner(self.draft_fw, pool.view(pool.draft), pool.evenly_strided(pool.draft))
                       if self.draft_fw else None)
         self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
         self.cost = self._cost_model()

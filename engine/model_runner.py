@@ -23,9 +23,12 @@ class Peers(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, forward, kv_view: torch.Tensor, peers: Peers | None = None):
+    def __init__(self, forward, kv_view: torch.Tensor, in_place: bool = True,
+                 peers: Peers | None = None):
         self.forward = forward            # models.llama.LlamaForward
-        self.kv_view = kv_view            # [num_blocks, layers, 2, tokens_per_block, kv_heads, d]
+        # kv_view: [num_blocks, tokens_per_block, layers, 2, kv_heads, d] -> per layer (K, V)
+        self.layers = [(kv_view[:, :, i, 0], kv_view[:, :, i, 1]) for i in range(kv_view.shape[2])]
+        self.in_place = in_place          # consecutive blocks can be read without a gather
         self.peers = peers
         self.scale = forward.shape.head_dim ** -0.5
         self.device = forward.device
@@ -47,5 +50,5 @@ class ModelRunner:
         """The forward alone (what every rank of a tensor-parallel group runs)."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        attn = PagedAttention(self.kv_view, seqs, self.scale)
+        attn = PagedAttention(self.layers, seqs, self.scale, self.in_place)
         return self.forward.forward(ids, pos, attn)

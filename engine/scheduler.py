@@ -189,7 +189,9 @@ class Scheduler:
 
     def _allocate(self, item: ScheduledSeq) -> None:
         target, draft = self._need(item)
+        s = item.seq
         if target:
-            item.seq.blocks += self.pool.allocate(target, "target")
+            s.blocks += self.pool.allocate(target, "target", s.blocks[-1] if s.blocks else None)
         if draft:
-            item.seq.draft_blocks += self.pool.allocate(draft, "draft")
+            last = s.draft_blocks[-1] if s.draft_blocks else None
+            s.draft_blocks += self.pool.allocate(draft, "draft", last)

@@ -16,11 +16,12 @@ import os
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from engine.attention import SeqSlice
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
-from models.llama import LlamaForward
+from models.llama import LlamaForward, LlamaShape
 from models.loader import load_model
 
 COLLECTIVE_TIMEOUT_S = 30
@@ -44,7 +45,8 @@ class TPWorker:
     """Rank r > 0: a shard of the target and a KV pool with the same block ids as rank 0."""
 
     def __init__(self, rank: int, world: int, init_method: str, target: str, dtype: str,
-                 device: str, kv_budget_bytes: int, block_size: int, num_threads: int = 1):
+                 device: str, kv_budget_bytes: int, block_size: int, num_threads: int = 1,
+                 draft: str | None = None):
         torch.set_num_threads(num_threads)
         all_reduce = init_tp(rank, world, init_method, device)
         model = load_model(target, dtype, device)
@@ -52,9 +54,16 @@ class TPWorker:
         del model
         s = self.forward.shape
         layout = (s.num_layers, s.num_kv_heads, s.head_dim)
-        # The same budget and per-rank block size as rank 0, hence the same number of blocks.
-        self.pool = BlockPool(kv_budget_bytes, layout, block_size, self.forward.dtype, device)
+        # The same budget and block layout as rank 0 (whose pool also holds the draft, which
+        # sets the tokens per block), hence the same number of blocks and the same block ids.
+        draft_layout = None
+        if draft:
+            d = LlamaShape.from_config(AutoConfig.from_pretrained(draft))
+            draft_layout = (d.num_layers, d.num_kv_heads, d.head_dim)
+        self.pool = BlockPool(kv_budget_bytes, layout, block_size, self.forward.dtype, device,
+                              draft_layout)
         self.runner = ModelRunner(self.forward, self.pool.view(self.pool.target))
+        # (Rank 0 decides block ids; this pool has the same count and layout, target only.)
 
     def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple]) -> None:
         self.runner.hidden([SeqSlice(*s) for s in seqs], input_ids, positions)
@@ -78,7 +87,8 @@ class LocalPeers:
     """Ranks 1..N-1 as local processes (spawned), driven over pipes. Implements `Peers`."""
 
     def __init__(self, world: int, target: str, dtype: str = "float32", device: str = "cpu",
-                 kv_budget_bytes: int = 64 << 20, block_size: int = 16, port: int = 29511):
+                 kv_budget_bytes: int = 64 << 20, block_size: int = 16, port: int = 29511,
+                 draft: str | None = None):
         self.init_method = f"tcp://127.0.0.1:{port}"
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
@@ -86,7 +96,7 @@ class LocalPeers:
             parent, child = ctx.Pipe()
             kwargs = dict(rank=rank, world=world, init_method=self.init_method, target=target,
                           dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes,
-                          block_size=block_size)
+                          block_size=block_size, draft=draft)
             proc = ctx.Process(target=_serve, args=(child, kwargs), daemon=True)
             proc.start()
             self.conns.append(parent)

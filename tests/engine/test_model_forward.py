@@ -1,5 +1,6 @@
 """Our Llama forward over the paged cache gives transformers' logits (float32, 1e-4)."""
 
+import pytest
 import torch
 
 from engine.attention import PagedAttention, SeqSlice
@@ -13,18 +14,23 @@ def _setup(path):
     fw = LlamaForward(m.model)
     s = fw.shape
     pool = BlockPool(4 << 20, (s.num_layers, s.num_kv_heads, s.head_dim), 4, torch.float32, "cpu")
-    return m, fw, pool, pool.view(pool.target), s.head_dim ** -0.5
+    view = pool.view(pool.target)
+    layers = [(view[:, :, i, 0], view[:, :, i, 1]) for i in range(s.num_layers)]
+    return m, fw, pool, layers, s.head_dim ** -0.5
 
 
-def test_prefill_then_ragged_decode_matches_transformers(tiny_family):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_prefill_then_ragged_decode_matches_transformers(tiny_family, in_place):
+    """In place (consecutive blocks read as a view) and gathered give the same logits."""
     m, fw, pool, view, scale = _setup(tiny_family["target"])
     torch.manual_seed(0)
     ids = torch.randint(1, 300, (3, 13))
     with torch.no_grad():
         ref = m.model(ids).logits                                   # [3, 13, vocab]
     tables = [pool.allocate(4, "target") for _ in range(3)]
+    tables[1] = tables[1][::-1]                                     # one table out of order
     lens = [9, 5, 12]                                               # prefill lengths differ
-    attn = PagedAttention(view, [SeqSlice(t, 0, n) for t, n in zip(tables, lens)], scale)
+    attn = PagedAttention(view, [SeqSlice(t, 0, n) for t, n in zip(tables, lens)], scale, in_place)
     flat = torch.cat([ids[i, :n] for i, n in enumerate(lens)])
     pos = torch.cat([torch.arange(n) for n in lens])
     logits = fw.logits(fw.forward(flat, pos, attn))
@@ -32,9 +38,10 @@ def test_prefill_then_ragged_decode_matches_transformers(tiny_family):
     for i, n in enumerate(lens):
         assert torch.allclose(logits[start:start + n], ref[i, :n], atol=1e-4)
         start += n
-    # Then a verify-like step: 4, 1 and 1 query tokens (grouped, padded attention).
+    # Then a verify-like step: 4, 1 and 1 query tokens.
     more = [4, 1, 1]
-    attn = PagedAttention(view, [SeqSlice(t, n, q) for t, n, q in zip(tables, lens, more)], scale)
+    attn = PagedAttention(view, [SeqSlice(t, n, q) for t, n, q in zip(tables, lens, more)], scale,
+                          in_place)
     flat = torch.cat([ids[i, n:n + q] for i, (n, q) in enumerate(zip(lens, more))])
     pos = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, more)])
     logits = fw.logits(fw.forward(flat, pos, attn))

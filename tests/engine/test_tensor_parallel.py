@@ -10,7 +10,8 @@ from engine.tp_worker import LocalPeers
 
 def test_tp2_matches_tp1_and_transformers(tiny_family, hf_target):
     budget = 4 << 20
-    peers = LocalPeers(2, str(tiny_family["target"]), kv_budget_bytes=budget, port=29533)
+    peers = LocalPeers(2, str(tiny_family["target"]), kv_budget_bytes=budget, port=29533,
+                       draft=str(tiny_family["draft"]))
     try:
         engine = LLMEngine(EngineConfig(str(tiny_family["target"]), str(tiny_family["draft"]),
                                         tp_size=2, kv_budget_bytes=budget, profile=False,
