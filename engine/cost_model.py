@@ -280,40 +280,32 @@ def step_s(ks: Sequence[int], cost: StepCostModel, context_tokens: int = 0, extr
     return total
 
 
-def goodput(acceptance: Sequence[float], ks: Sequence[int], cost: StepCostModel,
-            context_tokens: int = 0, extra_tokens: int = 0,
-            counts: Sequence[int] | None = None) -> float:
-    """Expected tokens per second of decoding in one step.
-
-    extra_tokens (chunked prefill in the same forward) emit nothing here, and their own cost,
-    target_s(B, B + extra) - target_s(B, B), is charged to them, not to decoding: prefill time
-    is spent anyway, so speculation must pay against decode time alone.
-    """
-    counts = [1] * len(ks) if counts is None else counts
-    emitted = sum(c * expected_tokens(a, k) for a, k, c in zip(acceptance, ks, counts))
-    seconds = step_s(ks, cost, context_tokens, extra_tokens, counts)
-    if extra_tokens:
-        batch = sum(counts)
-        seconds -= (cost.target_s(batch, batch + extra_tokens, context_tokens)
-                    - cost.target_s(batch, batch, context_tokens))
-    return emitted / seconds
-
-
 def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostModel,
-             context_tokens: int = 0, extra_tokens: int = 0) -> list[int]:
+             context_tokens: int = 0, extra_tokens: int = 0,
+             max_slowdown: float | None = 0.05) -> list[int]:
     """Per-sequence speculation length for one step, maximising batch goodput.
 
-    goodput = sum_i expected_tokens(a_i, k_i) / step_s, where
-    step_s = sum_{j=1..max k} cost.draft_s(n_j, n_j) + cost.target_s(B, sum_i (k_i + 1) + extra),
-    n_j = #sequences with k_i >= j. extra_tokens are other tokens riding in the same target
-    forward (chunked prefill), charged their own cost (see `goodput`). k_max[i] = 0 marks a
-    sequence in baseline mode.
+    goodput = sum_i expected_tokens(a_i, k_i) / decode time. A step (`step_s`) is max(k) draft
+    rounds, round j over the n_j = #{i: k_i >= j} sequences, then one target verify over
+    sum_i (k_i + 1) + extra_tokens query tokens. extra_tokens is chunked prefill riding in the
+    same forward; its own cost, target_s(B, B + extra) - target_s(B, B), is spent anyway and is
+    not charged to decoding, so speculation must pay against decode time alone.
+    a_i is sequence i's per-token acceptance; k_max[i] = 0 marks a sequence in baseline mode.
+
+    max_slowdown: the p95 guard. No sequence, speculative or baseline mode, may expect fewer
+    than (1 - max_slowdown) of the tokens per second it would get with k = 0 for all:
+    expected_tokens(a_i, k_i) >= (1 - max_slowdown) * step time / step time at k = 0. So a step
+    speculates only when its lowest-acceptance sequence loses at most that much, and a
+    baseline-mode sequence (one token a step) vetoes draft rounds that would slow it more.
+    None: pure goodput, whoever pays.
 
     Sequences with equal (a, k_max) are solved as one group. For each cap K = 1..max(k_max), a
     Dinkelbach iteration on the linearised cost: every group takes the largest k <= K whose
     marginal gain a^k beats lambda * (marginal cost per draft token); lambda is then the exact
-    goodput of that choice. The best exact goodput over the caps tried (and all-zero) wins; the
-    caps stop after two in a row fail to improve. A higher a never gets a smaller k.
+    goodput. Candidates are those choices, the same with speculative zeros lifted to 1, and k = K
+    for all; the best feasible one wins (all-zero otherwise). The caps stop after two in a row
+    fail to improve (goodput is unimodal in the cap in practice). A higher a never gets a
+    smaller k.
     """
     batch = len(acceptance)
     if batch == 0:
@@ -327,26 +319,41 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
     if k_top == 0:
         return [0] * batch
     sizes = [counts[g] for g in groups]
-    accs = [g[0] for g in groups]
+    accs = [a for a, _ in groups]
     base_s = cost.target_s(batch, batch + extra_tokens, context_tokens)
+    prefill_s = base_s - cost.target_s(batch, batch, context_tokens) if extra_tokens else 0.0
+
+    def evaluate(ks: list[int]) -> float:
+        """Goodput of ks, or 0.0 if it slows some sequence by more than max_slowdown."""
+        seconds = step_s(ks, cost, context_tokens, extra_tokens, sizes)
+        floor = None if max_slowdown is None else (1.0 - max_slowdown) * seconds / base_s
+        if floor is not None and any(expected_tokens(a, k) < floor for a, k in zip(accs, ks)):
+            return 0.0
+        emitted = sum(c * expected_tokens(a, k) for (a, _), k, c in zip(groups, ks, sizes))
+        return emitted / (seconds - prefill_s)
+
     best_ks = [0] * len(groups)
-    best_rate = goodput(accs, best_ks, cost, context_tokens, extra_tokens, sizes)
+    best_rate = evaluate(best_ks)
     d_one = cost.draft_s(1, 1, context_tokens // batch)
     d_slope = (cost.draft_s(batch, batch, context_tokens) - d_one) / (batch - 1) if batch > 1 else 0.0
-    misses = 0  # caps in a row that did not improve (goodput is unimodal in the cap in practice)
+    misses = 0
     for cap in range(1, k_top + 1):
-        t_slope = (cost.target_s(batch, batch * (cap + 1) + extra_tokens, context_tokens) - base_s) / (batch * cap)
+        t_cap = cost.target_s(batch, batch * (cap + 1) + extra_tokens, context_tokens)
+        t_slope = (t_cap - base_s) / (batch * cap)
         per_token_s = max(d_slope, 0.0) + max(t_slope, 0.0)
-        lam, seen, improved = best_rate, set(), False
+        candidates = [[min(cap, km) for _, km in groups]]
+        lam, improved = best_rate, False
         for _ in range(6):
             threshold = lam * per_token_s  # value of one draft token, in expected tokens
             ks = [_largest_k(a, min(cap, km), threshold) for a, km in groups]
-            if tuple(ks) in seen:
+            if ks in candidates:
                 break
-            seen.add(tuple(ks))
-            lam = goodput(accs, ks, cost, context_tokens, extra_tokens, sizes)
-            if lam > best_rate * (1 + 1e-12):
-                best_ks, best_rate, improved = ks, lam, True
+            candidates += [ks, [max(k, min(1, km)) for k, (_, km) in zip(ks, groups)]]
+            lam = max(lam, evaluate(ks), evaluate(candidates[-1]))
+        for ks in candidates:
+            r = evaluate(ks)
+            if r > best_rate * (1 + 1e-12):
+                best_ks, best_rate, improved = ks, r, True
         misses = 0 if improved else misses + 1
         if misses == 2:
             break

@@ -1,0 +1,196 @@
+"""The tier policy: which tier serves a request, with which k cap, and why.
+
+`choose_tier(request, stats, state) -> Decision` is a pure function: the live router and the
+capacity simulator run this same code. Hysteresis lives in the explicit `PolicyState` carried
+in and out (`decision.state` is the state for the next call); there are no globals.
+Imports neither torch nor Ray; knows nothing about HTTP, replicas or how stats are gathered.
+
+Rules, first match wins (reasons are machine-readable and returned to the caller):
+  speculation=off        -> baseline   speculation_off   (always honoured)
+  plan economy           -> small      plan_economy
+  premium / speculation=on -> speculative plan_premium | speculation_on, unless the target
+                           has no draft (no_draft) or too little KV headroom (kv_headroom)
+  queue deep (hysteresis)-> small if the caller allows a downgrade, else baseline   queue_deep
+  plan standard          -> baseline   plan_standard
+  plan auto              -> baseline   no_draft | kv_headroom | acceptance_low | batch_large
+                           or speculative low_load, when `speculation_gain` (the cost model's
+                           tokens/s speculating over not, at the current batch) pays.
+Hysteresis for auto: start speculating at gain >= enter_gain, stop below exit_gain; after
+stopping at batch B, start again only once the batch is below (1 - batch_band) * B, so a load
+near the crossover does not flip modes (a batch that mixes modes wastes drafts, and choose_k's
+slowdown guard will not speculate over a baseline-mode sequence anyway).
+The small tier is a quality trade: only economy, or a caller who set allow_downgrade, gets it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from engine.cost_model import choose_k, expected_tokens, step_s
+from router.stats import ClusterStats, TierStats
+
+PLANS = ("premium", "standard", "economy", "auto")
+SPECULATION = ("auto", "on", "off")
+TIERS = ("speculative", "baseline", "small")
+REASONS = ("speculation_off", "plan_economy", "plan_premium", "speculation_on", "no_draft",
+           "kv_headroom", "queue_deep", "plan_standard", "acceptance_low", "batch_large", "low_load")
+
+
+@dataclass(frozen=True)
+class TierRequest:
+    """What the policy needs to know about one request (the ingress builds it from the API)."""
+
+    plan: str = "auto"
+    speculation: str = "auto"  # request field: auto | on | off
+    allow_downgrade: bool = False  # caller opts into the small tier's quality trade
+    prompt_class: str = "chat"  # code | chat | qa | creative (see classify_prompt)
+    prompt_tokens: int = 0
+    max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.plan not in PLANS:
+            raise ValueError(f"plan must be one of {PLANS}, got {self.plan!r}")
+        if self.speculation not in SPECULATION:
+            raise ValueError(f"speculation must be one of {SPECULATION}, got {self.speculation!r}")
+        if self.prompt_tokens < 0 or self.max_tokens < 1:
+            raise ValueError("prompt_tokens must be >= 0 and max_tokens >= 1")
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """Hysteresis memory: the mode the last auto decisions were in."""
+
+    speculating: bool = True  # auto plan currently admits into speculative mode
+    stopped_at_batch: int = 0  # batch size at which auto last stopped speculating (0: never)
+    queue_deep: bool = False  # target queue currently counted as deep
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_k: int = 8  # cap on k for speculative decisions; the engine picks k <= it per step
+    enter_gain: float = 1.05  # predicted goodput ratio (speculating / not) to start speculating
+    exit_gain: float = 1.02  # ... and below which to stop (a speculative admission costs a draft
+    #   prefill and draft KV, so a gain within a few percent of 1 does not pay for it)
+    batch_band: float = 0.15  # after stopping at batch B, restart only below (1 - band) * B
+    queue_deep_enter: int = 8  # queued requests at which the target counts as saturated
+    queue_deep_exit: int = 2  # ... and at or below which it no longer does
+    kv_low_water: float = 0.10  # fraction of the KV budget a speculative admission must leave free
+    default_acceptance: float = 0.6  # prior when a prompt class has no live estimate yet
+
+
+@dataclass(frozen=True)
+class Decision:
+    tier: str  # speculative | baseline | small
+    k_max: int  # cap on k for this request (0 unless speculative)
+    reason: str  # one of REASONS
+    state: PolicyState  # state for the next call
+
+
+def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
+                config: PolicyConfig = PolicyConfig()) -> Decision:
+    if request.speculation == "off":
+        return Decision("baseline", 0, "speculation_off", state)
+    if request.plan == "economy":
+        return Decision("small", 0, "plan_economy", state)
+    target = stats.target
+    if request.plan == "premium" or request.speculation == "on":
+        blocked = _speculation_blocked(request, target, config)
+        if blocked:
+            return Decision("baseline", 0, blocked, state)
+        reason = "plan_premium" if request.plan == "premium" else "speculation_on"
+        return Decision("speculative", config.max_k, reason, state)
+
+    if state.queue_deep:
+        deep = target.queue_depth > config.queue_deep_exit
+    else:
+        deep = target.queue_depth >= config.queue_deep_enter
+    state = replace(state, queue_deep=deep)
+    if deep:
+        small = stats.small
+        to_small = (request.allow_downgrade and small is not None
+                    and small.queue_depth < target.queue_depth)
+        return Decision("small" if to_small else "baseline", 0, "queue_deep", state)
+    if request.plan == "standard":
+        return Decision("baseline", 0, "plan_standard", state)
+
+    blocked = _speculation_blocked(request, target, config)
+    if blocked:
+        return Decision("baseline", 0, blocked, state)
+    a = target.acceptance_by_class.get(request.prompt_class, config.default_acceptance)
+    alone = speculation_gain(target, a, config.max_k, request.prompt_tokens, request.max_tokens, alone=True)
+    if alone < config.exit_gain:
+        return Decision("baseline", 0, "acceptance_low", state)
+    prompt_tokens = target.mean_prompt_tokens or request.prompt_tokens
+    gain = speculation_gain(target, a, config.max_k, prompt_tokens, request.max_tokens)
+    batch = target.decode_batch_size + 1
+    if state.speculating:
+        if gain >= config.exit_gain:
+            return Decision("speculative", config.max_k, "low_load", state)
+        stopped = replace(state, speculating=False, stopped_at_batch=batch)
+        return Decision("baseline", 0, "batch_large", stopped)
+    below = not state.stopped_at_batch or batch <= (1 - config.batch_band) * state.stopped_at_batch
+    if gain >= config.enter_gain and below:
+        return Decision("speculative", config.max_k, "low_load", replace(state, speculating=True))
+    return Decision("baseline", 0, "batch_large", state)
+
+
+def _speculation_blocked(request: TierRequest, target: TierStats, config: PolicyConfig) -> str:
+    """'' if the target can take this request in speculative mode, else the reason it cannot."""
+    if not target.can_speculate:
+        return "no_draft"
+    kv_tokens = request.prompt_tokens + request.max_tokens
+    need = kv_tokens * (target.target_kv_bytes_per_token + target.draft_kv_bytes_per_token)
+    if target.kv_headroom_bytes - need < config.kv_low_water * target.kv_budget_bytes:
+        return "kv_headroom"
+    return ""
+
+
+def speculation_gain(target: TierStats, a: float, k_max: int, prompt_tokens: int = 0,
+                     max_tokens: int = 256, alone: bool = False) -> float:
+    """Predicted tokens per second with the batch speculating, over the same batch not.
+
+    The batch is this request (acceptance a) alone, or with the running ones as if all were
+    speculative: typical members at the median of the recent acceptance samples and one at
+    their 1/(B+1) quantile, the lowest acceptance a batch of B+1 can expect, so that choose_k's
+    slowdown guard refuses here what the engine will refuse at its next steps.
+    Time per output token = decode step / tokens per step + prefill / output length: every
+    request's prompt goes through the target once (both modes), and through the draft once
+    when it speculates. 1.0 or less: speculation does not pay.
+    """
+    if not target.can_speculate:
+        return 0.0
+    batch = 1 if alone else target.decode_batch_size + 1
+    acceptance = [a]
+    if batch > 1:
+        samples = sorted(target.acceptance_samples) or [a]
+        acceptance += [samples[len(samples) // 2]] * (batch - 2) + [samples[len(samples) // batch]]
+    cost = target.cost
+    ctx = prompt_tokens + (0 if alone else target.context_tokens)
+    ks = choose_k(acceptance, [k_max] * batch, cost, ctx)
+    if not any(ks):
+        return 1.0
+    emitted = sum(expected_tokens(x, k) for x, k in zip(acceptance, ks))
+    output_tokens = target.mean_output_tokens or max_tokens
+    prefill_s = (cost.target_s(batch, batch + prompt_tokens, ctx) - cost.target_s(batch, batch, ctx))
+    prefill_s /= output_tokens  # per output token
+    draft_prefill_s = cost.draft_s(1, prompt_tokens) / output_tokens
+    plain = step_s([0] * batch, cost, ctx) / batch + prefill_s
+    return plain / (step_s(ks, cost, ctx) / emitted + prefill_s + draft_prefill_s)
+
+
+_CODE = re.compile(r"```|\bdef |\bclass |\bimport |\bfunction\b|\breturn\b|[{};]\s*$|\bSELECT\b", re.M)
+_CREATIVE = re.compile(r"\b(story|poem|poetry|lyrics|fiction|imagine|haiku|novel|screenplay)\b", re.I)
+_QUESTION = re.compile(r"^\s*(what|who|when|where|why|how|which|is|are|does|do|can)\b", re.I)
+
+
+def classify_prompt(text: str) -> str:
+    """Cheap prompt class for acceptance statistics: code, creative, qa or chat."""
+    if _CODE.search(text):
+        return "code"
+    if _CREATIVE.search(text):
+        return "creative"
+    if text.rstrip().endswith("?") or _QUESTION.match(text):
+        return "qa"
+    return "chat"
+

@@ -1,0 +1,139 @@
+"""cluster.simulator: the analytic speed-up at one user, determinism, memory admission."""
+
+import argparse
+import random
+import statistics
+from dataclasses import replace
+
+import pytest
+
+from cluster import simulate as cli
+from cluster.scenarios import MIXES, SCENARIOS, Deployment, Workload, fixed_mix, make_request
+from cluster.simulator import ReplicaConfig, build_replicas, simulate
+from engine.cost_model import GPUS, MODELS, GiB, LinearCost, LinearStepCost, RooflineStepCost
+
+LINEAR = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))  # c = 0.15
+ROOFLINE = RooflineStepCost(GPUS["A100-80GB"], MODELS["Llama-2-70B"], MODELS["Llama-2-7B"], tp=4, draft_tp=4)
+LONG_OUTPUTS = Workload(prompt_median=16, prompt_sigma=0.0, output_median=600, output_sigma=0.0,
+                        max_tokens=1024, requests=24)
+
+
+def replica(cost, fixed_k=0, draft=True, memory=1e12, kv_per_token=1000.0, **kw) -> ReplicaConfig:
+    return ReplicaConfig(cost, [memory], [0.0], [kv_per_token], [kv_per_token if draft else 0.0],
+                         fixed_k=fixed_k, **kw)
+
+
+def speedup(cost, a: float, k: int) -> float:
+    mix = fixed_mix(a)
+    base = simulate(replica(cost, draft=False), None, "baseline", LONG_OUTPUTS, mix, 1, seed=0).row()
+    spec = simulate(replica(cost, fixed_k=k), None, "speculative", LONG_OUTPUTS, mix, 1, seed=0).row()
+    return spec["throughput_tok_s"] / base["throughput_tok_s"]
+
+
+@pytest.mark.parametrize("cost", [LINEAR, ROOFLINE], ids=["linear", "roofline-70b-sharded"])
+@pytest.mark.parametrize("a,k", [(0.58, 4), (0.75, 4), (0.75, 2), (0.4, 3)])
+def test_one_user_speedup_matches_analytic(cost, a, k):
+    c = cost.draft_s(1, 1, 300) / cost.target_s(1, 1, 300)
+    analytic = (1 - a ** (k + 1)) / (1 - a) / (k * c + 1)
+    assert speedup(cost, a, k) == pytest.approx(analytic, rel=0.05)
+
+
+def test_same_seed_same_result():
+    target, small = build_replicas(SCENARIOS["seed-4xa100"].deployment, "sharded", "auto", 4)
+    w = replace(SCENARIOS["seed-4xa100"].workload, requests=24)
+    first = simulate(target, small, "auto", w, MIXES["article"], 4, seed=7).row()
+    again = simulate(target, small, "auto", w, MIXES["article"], 4, seed=7).row()
+    other = simulate(target, small, "auto", w, MIXES["article"], 4, seed=8).row()
+    assert first == again
+    assert first != other
+
+
+def test_requests_are_the_same_under_every_policy_and_load():
+    w, mix = SCENARIOS["seed-4xa100"].workload, MIXES["article"]
+    assert make_request(w, mix, 3, 5, 2, 4096) == make_request(w, mix, 3, 5, 2, 4096)
+    assert make_request(w, mix, 3, 5, 2, 4096) != make_request(w, mix, 3, 5, 3, 4096)
+
+
+def test_a_request_that_does_not_fit_waits_and_memory_never_overflows():
+    w = Workload(prompt_median=16, prompt_sigma=0.0, output_median=40, output_sigma=0.0, max_tokens=64,
+                 requests=30)
+    one_fits = 80 * 1000.0 * 1.5  # KV for one request (16 + 64 tokens), not two
+    cfg = replica(LINEAR, draft=False, memory=one_fits)
+    run = simulate(cfg, None, "baseline", w, fixed_mix(0.5), 3, seed=0)
+    row = run.row()
+    assert row["refused"] == 0 and row["completed"] == 30
+    assert row["p95_queue_s"] > 0.5  # others waited for memory
+    assert run.peak_memory_gib * GiB <= one_fits
+    too_small = replica(LINEAR, draft=False, memory=50 * 1000.0)
+    assert simulate(too_small, None, "baseline", w, fixed_mix(0.5), 1, seed=0).row()["refused"] == 30
+
+
+def test_speculative_mode_charges_draft_kv():
+    w = Workload(prompt_median=16, prompt_sigma=0.0, output_median=40, output_sigma=0.0, max_tokens=64,
+                 requests=12)
+    fits_base_not_spec = 80 * 1000.0 * 1.5  # 80 tokens x 1000 B fit; x 2000 B (with draft KV) do not
+    spec = simulate(replica(LINEAR, fixed_k=2, memory=fits_base_not_spec), None, "speculative", w,
+                    fixed_mix(0.5), 1, seed=0).row()
+    assert spec["refused"] == 12
+
+
+def test_draft_placement_in_memory():
+    dep = SCENARIOS["seed-4xa100"].deployment
+    whole, _ = build_replicas(dep, "whole", "auto", 4)
+    sharded, _ = build_replicas(dep, "sharded", "auto", 4)
+    base, small = build_replicas(dep, "sharded", "baseline", 4)
+    draft_bytes = MODELS["Llama-2-7B"].weight_bytes()
+    assert whole.fixed_bytes[0] - whole.fixed_bytes[1] == pytest.approx(draft_bytes)
+    assert whole.draft_kv[1:] == [0.0, 0.0, 0.0] and whole.draft_kv[0] == 524288
+    assert len(set(sharded.fixed_bytes)) == 1 and sharded.draft_kv == [131072.0] * 4
+    assert not any(base.draft_kv) and base.target_kv == [81920.0] * 4
+    assert small is not None and len(small.gpu_bytes) == 1
+
+
+def test_open_loop_poisson():
+    w = Workload(closed_loop=False, prompt_median=64, output_median=64, requests=40)
+    run = simulate(replica(LINEAR, draft=False), None, "baseline", w, fixed_mix(0.5), 5.0, seed=0).row()
+    assert run["completed"] == 40 and run["requests_s"] == pytest.approx(5.0, rel=0.4)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        simulate(replica(LINEAR), None, "turbo", LONG_OUTPUTS, fixed_mix(0.5), 1, seed=0)
+    with pytest.raises(ValueError):
+        simulate(replica(LINEAR), None, "small", LONG_OUTPUTS, fixed_mix(0.5), 1, seed=0)
+    with pytest.raises(ValueError):
+        simulate(replica(LINEAR), None, "baseline", LONG_OUTPUTS, fixed_mix(0.5), 0, seed=0)
+
+
+@pytest.mark.parametrize("name,median", [("article", 0.58), ("paper", 0.75)])
+def test_mix_medians_match_the_sources(name, median):
+    rng = random.Random(0)
+    assert statistics.median(MIXES[name].draw(rng)[1] for _ in range(4000)) == pytest.approx(median, abs=0.02)
+
+
+def test_check_rule():
+    def rows(auto_thr, auto_p95):
+        return [{"policy": p, "users": 8, "draft_placement": "sharded", "acceptance_mix": "article",
+                 "throughput_tok_s": t, "p95_latency_s": l}
+                for p, t, l in (("baseline", 100, 10.0), ("speculative", 120, 9.0), ("small", 300, 4.0),
+                                ("auto", auto_thr, auto_p95))]
+    assert cli.check(rows(118, 9.1), True)["pass"]
+    assert not cli.check(rows(117, 9.1), True)["pass"]  # < 0.98 x 120
+    assert not cli.check(rows(125, 9.2), True)["pass"]  # > 1.02 x 9.0
+
+
+def test_cli_lists_and_rejects_unknown(capsys):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(["--list"])) == 0
+    assert "seed-4xa100" in capsys.readouterr().out
+    assert cli.run(parser.parse_args(["--scenario", "nope"])) == 2
+
+
+def test_deployment_presets_are_consistent():
+    for scn in SCENARIOS.values():
+        dep: Deployment = scn.deployment
+        assert dep.gpu in GPUS and dep.target in MODELS and (dep.draft is None or dep.draft in MODELS)
+        for section in scn.sections:
+            target, _ = build_replicas(dep, section.draft_placement, "auto", scn.fixed_k)
+            assert all(f < m for f, m in zip(target.fixed_bytes, target.gpu_bytes))

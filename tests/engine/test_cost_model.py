@@ -1,0 +1,167 @@
+"""engine.cost_model: hand-counted bytes, the linear fit, the roofline, and choose_k."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from engine.cost_model import (GPUS, MODELS, LinearCost, LinearStepCost, RooflineStepCost, choose_k,
+                               expected_tokens, step_s)
+
+
+def test_import_is_pure_python():
+    code = ("import sys, engine.cost_model, router.policy, router.stats; "
+            "print(any(m in sys.modules for m in ('torch', 'ray', 'numpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("a,k,want", [(0.5, 0, 1.0), (0.5, 2, 1.75), (0.0, 4, 1.0), (1.0, 4, 5.0),
+                                      (0.999999999999, 3, 4.0), (0.58, 4, (1 - 0.58**5) / 0.42)])
+def test_expected_tokens(a, k, want):
+    assert expected_tokens(a, k) == pytest.approx(want)
+
+
+# Hand counts from the published configs: per layer q,k,v,o + gate,up,down + 2 norms; embeddings,
+# LM head (unless tied), final norm.
+def _hand_params(layers, h, heads, kv_heads, inter, vocab, tied=False, head_dim=None):
+    hd = head_dim or h // heads
+    per_layer = h * heads * hd * 2 + 2 * h * kv_heads * hd + 3 * h * inter + 2 * h
+    return layers * per_layer + vocab * h * (1 if tied else 2) + h
+
+
+@pytest.mark.parametrize("name,params,kv_bytes", [
+    ("Llama-2-70B", _hand_params(80, 8192, 64, 8, 28672, 32000), 2 * 80 * 8 * 128 * 2),
+    ("Llama-2-7B", _hand_params(32, 4096, 32, 32, 11008, 32000), 2 * 32 * 32 * 128 * 2),
+    ("Llama-3-8B", _hand_params(32, 4096, 32, 8, 14336, 128256), 2 * 32 * 8 * 128 * 2),
+    ("Llama-3.2-1B", _hand_params(16, 2048, 32, 8, 8192, 128256, tied=True, head_dim=64),
+     2 * 16 * 8 * 64 * 2),
+])
+def test_model_bytes_match_hand_counts(name, params, kv_bytes):
+    m = MODELS[name]
+    assert m.param_count() == params
+    assert m.weight_bytes(2) == 2 * params
+    assert m.kv_bytes_per_token(2) == kv_bytes
+
+
+def test_published_sizes():
+    assert MODELS["Llama-2-70B"].kv_bytes_per_token() == 327_680  # the issue's hand count
+    assert MODELS["Llama-2-70B"].param_count() == 68_976_648_192
+    assert MODELS["Llama-2-7B"].param_count() == 6_738_415_616
+    assert MODELS["Llama-3-8B"].param_count() == 8_030_261_248
+    assert MODELS["Llama-3.2-1B"].param_count() == 1_235_814_400
+
+
+def test_linear_fit_recovers_coefficients():
+    true = LinearCost(2e-3, 1e-5, 3e-6, 1e-8)
+    rng = random.Random(0)
+    samples = [(n, n * t, c, true(n, n * t, c)) for n, t, c in
+               ((rng.randint(1, 64), rng.randint(1, 9), rng.randint(0, 50_000)) for _ in range(40))]
+    fit = LinearCost.fit(samples)
+    for got, want in zip((fit.fixed_s, fit.per_seq_s, fit.per_token_s, fit.per_ctx_token_s),
+                         (true.fixed_s, true.per_seq_s, true.per_token_s, true.per_ctx_token_s)):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+def test_linear_fit_is_non_negative_and_skips_constant_columns():
+    # time falls with num_seqs in the data: least squares would give a negative slope
+    samples = [(n, 8, 0, 0.01 - 1e-4 * n) for n in range(1, 9)]
+    fit = LinearCost.fit(samples)
+    assert min(fit.fixed_s, fit.per_seq_s, fit.per_token_s, fit.per_ctx_token_s) >= 0.0
+    assert fit.per_ctx_token_s == 0.0
+    with pytest.raises(ValueError):
+        LinearCost.fit([])
+
+
+def test_linear_step_cost_round_trips_as_json():
+    cost = LinearStepCost(LinearCost(1e-2, 2e-4, 5e-4, 1e-7), LinearCost(1e-3, 1e-5, 2e-5))
+    again = LinearStepCost.from_dict(json.loads(json.dumps(cost.to_dict())))
+    assert again == cost
+    assert again.target_s(4, 8, 100) == pytest.approx(1e-2 + 8e-4 + 4e-3 + 1e-5)
+
+
+A100, L70, L7 = GPUS["A100-80GB"], MODELS["Llama-2-70B"], MODELS["Llama-2-7B"]
+
+
+def test_roofline_memory_bound_at_batch_one():
+    cost = RooflineStepCost(A100, L70, L7, tp=4, draft_tp=4, overhead_s=0.0, draft_overhead_s=0.0)
+    weights_s = L70.matmul_params() * 2 / 4 / A100.mem_bw
+    allreduce_s = 2 * 80 * A100.allreduce_latency_s
+    assert cost.target_s(1, 1) == pytest.approx(weights_s + allreduce_s, rel=0.01)
+    # compute-bound for a long prefill: FLOPs over the matmul rate, plus ring all-reduces of
+    # [8192, 8192] bf16 activations, 2 per layer, moving 2 (tp - 1) / tp of the bytes each
+    flops_s = 8192 * 2 * L70.matmul_params() / 4 / A100.flops
+    ring_s = 2 * 80 * (A100.allreduce_latency_s + 8192 * 8192 * 2 * 1.5 / A100.link_Bps)
+    assert cost.target_s(1, 8192) == pytest.approx(flops_s + ring_s, rel=0.02)
+    assert cost.target_s(64, 64) < 1.2 * cost.target_s(1, 1)  # decode batch stays memory-bound
+
+
+def test_draft_placement_changes_the_cost_ratio():
+    sharded = RooflineStepCost(A100, L70, L7, tp=4, draft_tp=4)
+    whole = RooflineStepCost(A100, L70, L7, tp=4, draft_tp=1)
+    c_sharded = sharded.draft_s(1, 1) / sharded.target_s(1, 1)
+    c_whole = whole.draft_s(1, 1) / whole.target_s(1, 1)
+    assert 0.08 < c_sharded < 0.2 and 0.25 < c_whole < 0.45
+    assert c_whole / c_sharded > 2  # 4x the weight bytes per GPU, less after fixed costs
+    with pytest.raises(ValueError):
+        RooflineStepCost(A100, L70).draft_s(1, 1)
+
+
+LINEAR = LinearStepCost(LinearCost(20e-3, 1e-5, 2e-5), LinearCost(3e-3, 1e-6, 2e-6))
+
+
+def _brute_force(a, k_max, cost):
+    def rate(k):
+        return expected_tokens(a, k) / step_s([k], cost)
+    return max(range(k_max + 1), key=lambda k: (rate(k), -k))
+
+
+@pytest.mark.parametrize("cost", [LINEAR, RooflineStepCost(A100, L70, L7, tp=4, draft_tp=4),
+                                  RooflineStepCost(A100, L70, L7, tp=4, draft_tp=1)])
+@pytest.mark.parametrize("a", [0.0, 0.1, 0.3, 0.5, 0.58, 0.7, 0.8, 0.9, 0.97])
+def test_choose_k_single_sequence_equals_brute_force(cost, a):
+    for k_max in (1, 4, 8):
+        assert choose_k([a], [k_max], cost) == [_brute_force(a, k_max, cost)]
+
+
+def test_choose_k_zero_when_it_does_not_pay():
+    assert choose_k([0.05] * 8, [8] * 8, LINEAR) == [0] * 8  # acceptance low
+    dear = LinearStepCost(LINEAR.target, LinearCost(20e-3, 0.0, 0.0))  # draft as dear as the target
+    assert choose_k([0.7] * 8, [8] * 8, dear) == [0] * 8
+    assert choose_k([0.9, 0.9], [0, 0], LINEAR) == [0, 0]  # baseline mode
+    assert choose_k([], [], LINEAR) == []
+
+
+def test_choose_k_monotone_in_acceptance_and_capped():
+    rng = random.Random(1)
+    cost = RooflineStepCost(A100, L70, L7, tp=4, draft_tp=4)
+    for _ in range(30):
+        n = rng.randint(2, 40)
+        accs = [round(rng.random(), 2) for _ in range(n)]
+        caps = [8] * n
+        ks = choose_k(accs, caps, cost, context_tokens=600 * n, max_slowdown=None)
+        order = sorted(range(n), key=accs.__getitem__)
+        assert all(ks[i] <= ks[j] for i, j in zip(order, order[1:]))
+        assert all(0 <= k <= 8 for k in ks)
+    k_small, k_large = choose_k([0.9, 0.9], [2, 5], cost)
+    assert k_small <= 2 and 0 < k_large <= 5
+
+
+def test_slowdown_guard_protects_the_lowest_acceptance():
+    cost = RooflineStepCost(A100, L70, L7, tp=4, draft_tp=4)
+    batch = [0.8] * 47 + [0.02]  # one sequence the draft cannot help
+    assert max(choose_k(batch, [8] * 48, cost, 48 * 600, max_slowdown=None)) > 0  # goodput alone says go
+    assert choose_k(batch, [8] * 48, cost, 48 * 600, max_slowdown=0.05) == [0] * 48
+    # a baseline-mode sequence sharing the batch vetoes draft rounds that would slow it > 5%
+    assert choose_k([0.8, 0.8, 0.5], [8, 8, 0], LINEAR) == [0, 0, 0]
+    assert max(choose_k([0.8, 0.8, 0.5], [8, 8, 0], LINEAR, max_slowdown=None)) > 0
+
+
+def test_prefill_tokens_are_not_charged_to_decoding():
+    cost = RooflineStepCost(A100, L70, L7, tp=4, draft_tp=4)
+    accs, caps = [0.6] * 32, [8] * 32
+    plain = choose_k(accs, caps, cost, 32 * 600)
+    with_prefill = choose_k(accs, caps, cost, 32 * 600, extra_tokens=2048)
+    assert max(plain) > 0 and max(with_prefill) <= max(plain) + 1

@@ -1,0 +1,173 @@
+"""router.policy.choose_tier: every reason reachable, hysteresis, opt-ins honoured."""
+
+from dataclasses import replace
+
+import pytest
+
+from engine.cost_model import GPUS, MODELS, GiB, LinearCost, LinearStepCost, RooflineStepCost
+from router.policy import (PLANS, REASONS, Decision, PolicyConfig, PolicyState, TierRequest, choose_tier,
+                           classify_prompt, speculation_gain)
+from router.stats import ClusterStats, TierStats
+
+SHARDED = RooflineStepCost(GPUS["A100-80GB"], MODELS["Llama-2-70B"], MODELS["Llama-2-7B"], tp=4, draft_tp=4)
+LINEAR = LinearStepCost(LinearCost(20e-3, 0.0, 2e-4), LinearCost(2e-3, 0.0, 1e-6))  # verify tokens dear
+
+
+def target(**kw) -> TierStats:
+    base = dict(decode_batch_size=0, kv_headroom_bytes=40 * GiB, kv_budget_bytes=40 * GiB,
+                target_kv_bytes_per_token=81920.0, draft_kv_bytes_per_token=131072.0,
+                acceptance_by_class={"chat": 0.6, "code": 0.7}, mean_prompt_tokens=500,
+                mean_output_tokens=300, cost=SHARDED)
+    return TierStats(**{**base, **kw})
+
+
+def cluster(small_queue: int | None = 0, **kw) -> ClusterStats:
+    t = target(**kw)
+    tiers = {"speculative": t, "baseline": t}
+    if small_queue is not None:
+        tiers["small"] = TierStats(queue_depth=small_queue)
+    return ClusterStats(tiers)
+
+
+def req(**kw) -> TierRequest:
+    return TierRequest(**{**dict(prompt_tokens=500, max_tokens=512), **kw})
+
+
+SPECULATING, STOPPED = PolicyState(speculating=True), PolicyState(speculating=False, stopped_at_batch=40)
+
+# (request, stats, state, tier, reason)
+TABLE = [
+    (req(speculation="off"), cluster(), SPECULATING, "baseline", "speculation_off"),
+    (req(plan="premium", speculation="off"), cluster(), SPECULATING, "baseline", "speculation_off"),
+    (req(plan="economy"), cluster(), SPECULATING, "small", "plan_economy"),
+    (req(plan="premium"), cluster(decode_batch_size=63), SPECULATING, "speculative", "plan_premium"),
+    (req(plan="standard", speculation="on"), cluster(), SPECULATING, "speculative", "speculation_on"),
+    (req(plan="premium"), cluster(kv_headroom_bytes=1 * GiB), SPECULATING, "baseline", "kv_headroom"),
+    (req(), cluster(cost=None), SPECULATING, "baseline", "no_draft"),
+    (req(), cluster(draft_kv_bytes_per_token=0.0), SPECULATING, "baseline", "no_draft"),
+    (req(), cluster(kv_headroom_bytes=4 * GiB), SPECULATING, "baseline", "kv_headroom"),
+    (req(), cluster(queue_depth=20), SPECULATING, "baseline", "queue_deep"),
+    (req(allow_downgrade=True), cluster(queue_depth=20), SPECULATING, "small", "queue_deep"),
+    (req(allow_downgrade=True), cluster(small_queue=None, queue_depth=20), SPECULATING,
+     "baseline", "queue_deep"),
+    (req(plan="standard"), cluster(), SPECULATING, "baseline", "plan_standard"),
+    (req(prompt_class="creative"), cluster(acceptance_by_class={"creative": 0.03}), SPECULATING,
+     "baseline", "acceptance_low"),
+    (req(), cluster(decode_batch_size=200, context_tokens=200 * 800,
+                    acceptance_samples=tuple(i / 100 for i in range(5, 95))), SPECULATING,
+     "baseline", "batch_large"),
+    (req(), cluster(), SPECULATING, "speculative", "low_load"),
+    (req(), cluster(decode_batch_size=8, num_speculating=8, context_tokens=8 * 800), STOPPED,
+     "speculative", "low_load"),
+]
+
+
+@pytest.mark.parametrize("request_, stats, state, tier, reason", TABLE)
+def test_table(request_, stats, state, tier, reason):
+    d = choose_tier(request_, stats, state)
+    assert (d.tier, d.reason) == (tier, reason)
+    assert d.k_max == (PolicyConfig().max_k if tier == "speculative" else 0)
+
+
+def test_every_reason_is_reachable():
+    assert {row[4] for row in TABLE} == set(REASONS)
+
+
+def _state_sweep():
+    """Stats where speculation pays a little (gain between exit and enter) and a lot."""
+    for b in range(0, 300, 2):
+        s = cluster(cost=LINEAR, decode_batch_size=b, context_tokens=b * 500)
+        gain = speculation_gain(s.target, 0.6, 8, 500, 512)
+        yield b, s, gain
+
+
+def test_hysteresis_holds():
+    cfg = PolicyConfig()
+    band = [(b, s) for b, s, g in _state_sweep() if cfg.exit_gain <= g < cfg.enter_gain]
+    assert band, "no load puts the predicted gain between exit_gain and enter_gain"
+    b, stats = band[0]
+    assert choose_tier(req(), stats, PolicyState(speculating=True)).tier == "speculative"
+    off = choose_tier(req(), stats, PolicyState(speculating=False))
+    assert (off.tier, off.reason, off.state.speculating) == ("baseline", "batch_large", False)
+    # switching off records the batch; switching on again needs a clearly smaller batch
+    high = [(b, s) for b, s, g in _state_sweep() if g < cfg.exit_gain][0]
+    d = choose_tier(req(), high[1], PolicyState(speculating=True))
+    assert (d.tier, d.state.speculating, d.state.stopped_at_batch) == ("baseline", False, high[0] + 1)
+    # a load where speculating pays well: restarts only if it is clearly below the stop batch
+    good_b, good = [(b, s) for b, s, g in _state_sweep() if g >= cfg.enter_gain][-1]
+    inside = PolicyState(speculating=False, stopped_at_batch=good_b + 2)
+    assert choose_tier(req(), good, inside).tier == "baseline"
+    below = PolicyState(speculating=False, stopped_at_batch=int((good_b + 1) / (1 - cfg.batch_band)) + 2)
+    assert choose_tier(req(), good, below).tier == "speculative"
+
+
+def test_queue_deep_hysteresis():
+    cfg = PolicyConfig()
+    between = cluster(queue_depth=cfg.queue_deep_exit + 1)
+    assert choose_tier(req(), between, PolicyState(queue_deep=True)).reason == "queue_deep"
+    assert choose_tier(req(), between, PolicyState(queue_deep=False)).reason != "queue_deep"
+    assert not choose_tier(req(), cluster(), PolicyState(queue_deep=True)).state.queue_deep
+
+
+ALL_STATS = [row[1] for row in TABLE]
+ALL_STATES = [PolicyState(), PolicyState(speculating=False), PolicyState(queue_deep=True), STOPPED]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_speculation_off_is_always_honoured(plan):
+    for stats in ALL_STATS:
+        for state in ALL_STATES:
+            for downgrade in (False, True):
+                d = choose_tier(req(plan=plan, speculation="off", allow_downgrade=downgrade), stats, state)
+                assert d.tier == "baseline" and d.k_max == 0
+
+
+@pytest.mark.parametrize("plan", ["premium", "standard", "auto"])
+def test_no_downgrade_to_small_without_opt_in(plan):
+    for stats in ALL_STATS + [cluster(queue_depth=10_000)]:
+        for state in ALL_STATES:
+            for speculation in ("auto", "on"):
+                d = choose_tier(req(plan=plan, speculation=speculation), stats, state)
+                assert d.tier != "small"
+
+
+def test_pure_and_state_explicit():
+    stats, state = cluster(), PolicyState()
+    first, second = choose_tier(req(), stats, state), choose_tier(req(), stats, state)
+    assert first == second and isinstance(first, Decision)
+    assert state == PolicyState()  # the caller's state is not mutated
+    with pytest.raises(Exception):
+        state.speculating = False  # frozen
+
+
+@pytest.mark.parametrize("bad", [dict(plan="gold"), dict(speculation="maybe"), dict(max_tokens=0),
+                                 dict(prompt_tokens=-1)])
+def test_request_validation(bad):
+    with pytest.raises(ValueError):
+        TierRequest(**bad)
+
+
+def test_stats_validation():
+    with pytest.raises(ValueError):
+        TierStats(decode_batch_size=2, num_speculating=3)
+    with pytest.raises(KeyError):
+        ClusterStats({"small": TierStats()}).target
+
+
+@pytest.mark.parametrize("text,cls", [
+    ("def f(x):\n    return x + 1", "code"), ("```python\nprint(1)\n```", "code"),
+    ("Write a short story about a lighthouse keeper", "creative"), ("a haiku on autumn please", "creative"),
+    ("What is the capital of Australia?", "qa"), ("how do vaccines work", "qa"),
+    ("Thanks, that helped a lot. Let's continue tomorrow.", "chat"),
+])
+def test_classify_prompt(text, cls):
+    assert classify_prompt(text) == cls
+
+
+def test_whole_draft_stops_paying_sooner():
+    whole = replace(SHARDED, draft_tp=1)
+    samples = tuple(i / 100 for i in range(20, 90))
+    for b in (16, 32):
+        s_sharded = target(decode_batch_size=b, context_tokens=b * 800, acceptance_samples=samples)
+        s_whole = replace(s_sharded, cost=whole)
+        assert speculation_gain(s_whole, 0.6, 8, 500) < speculation_gain(s_sharded, 0.6, 8, 500)
