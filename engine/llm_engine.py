@@ -79,10 +79,11 @@ class LLMEngine:
         trials = seq.num_accepted + seq.num_rejections
         return (seq.num_accepted + PRIOR_WEIGHT * self.global_acceptance) / (trials + PRIOR_WEIGHT)
 
-    def _choose_k(self, acceptance: list[float], k_max: list[int]) -> list[int]:
+    def _choose_k(self, acceptance: list[float], k_max: list[int], context_tokens: int,
+                  extra_tokens: int) -> list[int]:
         if not self.config.adaptive_k:
             return list(k_max)
-        return choose_k(acceptance, k_max, self.cost)
+        return choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -175,7 +176,7 @@ class LLMEngine:
             del self.seqs[seq.request_id], self.detok[seq.request_id]
         return RequestOutput(seq.request_id, detok.delta(final), new, final, seq.finish_reason,
                              seq.num_prompt, seq.num_output, seq.mode, seq.acceptance_rate,
-                             seq.mean_acceptance_length)
+                             seq.mean_acceptance_length, seq.token_acceptance)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -184,7 +185,9 @@ class LLMEngine:
         return EngineStats(len(s.running), len(s.waiting),
                            sum(q.speculative for q in s.running), self.pool.budget_bytes,
                            self.pool.bytes_used("target"), self.pool.bytes_used("draft"),
-                           measured, self.max_model_len, self.cost.to_dict())
+                           measured, self.max_model_len, self.cost.to_dict(),
+                           self.global_acceptance if measured is not None else None,
+                           [self._acceptance(q) for q in s.running if q.speculative])
 
     def snapshot(self) -> MetricsSnapshot:
         s = self.scheduler

@@ -17,8 +17,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     mode: Mode                         # the mode the request runs in now (may have dropped)
-    acceptance_rate: float | None = None
-    mean_acceptance_length: float | None = None
+    acceptance_rate: float | None = None          # accepted / drafted (DESIGN.md)
+    mean_acceptance_length: float | None = None   # 1 + accepted / drafts
+    token_acceptance: float | None = None         # a = accepted / (accepted + rejections)
 
 
 @dataclass
@@ -29,9 +30,11 @@ class EngineStats:
     kv_budget_bytes: int
     kv_used_target_bytes: int
     kv_used_draft_bytes: int
-    acceptance_rate: float | None
+    acceptance_rate: float | None          # accepted / drafted since start
     max_model_len: int
     cost_model: dict = field(default_factory=dict)
+    token_acceptance: float | None = None  # the engine's live per-token estimate a (EWMA)
+    speculating_acceptance: list[float] = field(default_factory=list)  # a per speculating seq
 
     @property
     def kv_free_bytes(self) -> int:

@@ -22,8 +22,9 @@ from engine.kv_cache import BlockPool, blocks_needed
 from engine.sampling_params import FinishReason, Mode
 from engine.sequence import Sequence, Status
 
-# choose_k(acceptance per sequence, k_max per sequence) -> k per sequence
-ChooseK = Callable[[list[float], list[int]], list[int]]
+# choose_k(acceptance per sequence, k_max per sequence, context tokens, prefill tokens)
+#   -> k per sequence
+ChooseK = Callable[[list[float], list[int], int, int], list[int]]
 
 
 @dataclass
@@ -131,15 +132,20 @@ class Scheduler:
         limits = self.limits
         budget = limits.max_num_batched_tokens
         items: dict[int, ScheduledSeq] = {}
-        # 1. Running sequences: decode items (with k) and prefill continuations.
+        # 1. Running sequences: decode items (with k) and prefill continuations. Every decoding
+        #    sequence enters the k decision (k_max 0 in baseline mode: it pays for draft rounds
+        #    too); prefill riding in the same forward is passed as extra tokens.
         decode = [s for s in self.running if not s.in_prefill]
-        spec = [s for s in decode if s.speculative]
         ks = {}
-        if spec:
-            room = [min(s.options.k_max, limits.max_model_len - len(s.token_ids) - 1,
-                        s.params.max_tokens - s.num_output - 1) for s in spec]
-            chosen = self.choose_k([self.acceptance(s) for s in spec], [max(r, 0) for r in room])
-            ks = {id(s): k for s, k in zip(spec, chosen)}
+        if any(s.speculative for s in decode):
+            room = [max(0, min(s.options.k_max, limits.max_model_len - len(s.token_ids) - 1,
+                               s.params.max_tokens - s.num_output - 1)) if s.speculative else 0
+                    for s in decode]
+            prefill = sum(len(s.token_ids) - s.num_computed for s in self.running if s.in_prefill)
+            context = sum(len(s.token_ids) for s in decode)
+            chosen = self.choose_k([self.acceptance(s) for s in decode], room, context,
+                                   min(prefill, budget))
+            ks = {id(s): k for s, k in zip(decode, chosen)}
         for s in self.running:
             if s.in_prefill:
                 n = min(len(s.token_ids) - s.num_computed, max(budget, 1))

@@ -78,6 +78,11 @@ class Sequence:
         return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
+    def token_acceptance(self) -> float | None:
+        trials = self.num_accepted + self.num_rejections
+        return self.num_accepted / trials if trials else None
+
+    @property
     def mean_acceptance_length(self) -> float | None:
         return 1 + self.num_accepted / self.num_drafts if self.num_drafts else None
 
