@@ -1,0 +1,160 @@
+"""`specserve up [--config FILE]`: the README's first command.
+
+Builds the demo family if the config needs it and it is missing, starts a local Ray cluster
+(token auth on, see `cluster/ray_local.py`), deploys the app, waits until every tier reports,
+prints the API, metrics and dashboard URLs with a one-time API key and an example request,
+then serves until Ctrl-C (or SIGTERM) and tears everything down. `--check` answers one
+completion on every pricing endpoint and exits instead (a smoke test for a fresh clone).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "local.yaml"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="app YAML (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use")
+    parser.add_argument("--no-dashboard", action="store_true", help="start Ray without its dashboard")
+    parser.add_argument("--check", action="store_true",
+                        help="send one completion to every pricing endpoint, then stop")
+
+
+def _launcher(path: str, args) -> dict:
+    from router.config import read_yaml
+
+    launcher = dict(read_yaml(path).get("launcher") or {})
+    cpus = args.num_cpus or launcher.get("num_cpus") or len(os.sched_getaffinity(0))
+    return {"num_cpus": max(2, int(cpus)), "num_gpus": launcher.get("num_gpus"),
+            "http_host": launcher.get("http_host", "127.0.0.1"),
+            "http_port": args.port or launcher.get("http_port", 8000),
+            "dashboard_port": launcher.get("dashboard_port", 8265),
+            "metrics_port": launcher.get("metrics_port")}
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _wait_healthy(url: str, timeout_s: float = 600) -> None:
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the app at {url} did not become healthy within {timeout_s:.0f}s")
+
+
+def _check(url: str, key: str, model: str) -> bool:
+    import httpx
+
+    ok = True
+    for prefix in ("/v1", "/premium/v1", "/standard/v1", "/economy/v1"):
+        r = httpx.post(f"{url}{prefix}/completions", timeout=120,
+                       headers={"Authorization": f"Bearer {key}"},
+                       json={"model": model, "prompt": "def fibonacci(n):", "max_tokens": 16})
+        usage = r.json().get("usage", {}) if r.status_code == 200 else {}
+        print(f"  {prefix + '/completions':28s} {r.status_code}  tier={usage.get('tier')} "
+              f"price_usd={usage.get('price_usd')}")
+        if r.status_code != 200:
+            print(f"    {r.text[:500]}")
+        ok &= r.status_code == 200
+    return ok
+
+
+def _print_banner(local, cfg, key: str) -> None:
+    api = local.api_url
+    print(f"""
+specserve is up.
+  API (OpenAI-compatible)  {api}/v1   (also /premium/v1, /standard/v1, /economy/v1)
+  metrics (Prometheus)     {local.metrics_url}
+  Ray dashboard            {local.dashboard_url or 'off'}   (log in with the token in {local.token_path})
+  API key for this run     {key}   (plan: auto; make lasting ones with `specserve keys add`)
+
+Try it:
+  curl {api}/v1/completions -H "Authorization: Bearer {key}" \\
+       -H "Content-Type: application/json" \\
+       -d '{{"model": "{cfg.model_name}", "prompt": "def fibonacci(n):", "max_tokens": 32}}'
+
+  python -c "import openai; c = openai.OpenAI(base_url='{api}/v1', api_key='{key}'); \\
+print(c.completions.create(model='{cfg.model_name}', prompt='def fibonacci(n):', max_tokens=32))"
+
+Ctrl-C stops it.
+""", flush=True)
+
+
+def run(args) -> int:
+    from cluster import ray_local
+    from router.config import InlineKey, load_config, uses_demo_family
+    from router.keys import make_record
+
+    demo_dir = None
+    if uses_demo_family(args.config):
+        from models.demo import ensure_demo_family
+
+        print("checking the demo model family (built once, a few minutes on CPU) ...", flush=True)
+        demo_dir = ensure_demo_family()
+    cfg = load_config(args.config, demo_dir)
+    key, record = make_record("specserve-up", "auto")       # valid for this run only
+    cfg.auth.keys.append(InlineKey(name=record.name, plan="auto", sha256=record.sha256))
+    launcher = _launcher(args.config, args)
+    if not _port_free(launcher["http_host"], launcher["http_port"]):
+        print(f"specserve up: port {launcher['http_port']} is in use; pass --port", file=sys.stderr)
+        return 2
+    if launcher["metrics_port"] and not _port_free("127.0.0.1", launcher["metrics_port"]):
+        launcher["metrics_port"] = None          # any free port (printed below)
+
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    print(f"starting Ray ({launcher['num_cpus']} CPUs, token auth on) ...", flush=True)
+    local = ray_local.start(num_cpus=launcher["num_cpus"], num_gpus=launcher["num_gpus"],
+                            http_host=launcher["http_host"], http_port=launcher["http_port"],
+                            metrics_port=launcher["metrics_port"], dashboard=not args.no_dashboard,
+                            dashboard_port=launcher["dashboard_port"])
+    try:
+        from ray import serve
+
+        from deployments.app import build_app
+
+        print("deploying the app (loading models, profiling the engine) ...", flush=True)
+        serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
+        _wait_healthy(local.api_url)
+        _print_banner(local, cfg, key)
+        if args.check:
+            return 0 if _check(local.api_url, key, cfg.model_name) else 1
+        while not stop["now"]:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("\nstopping specserve ...", flush=True)
+        ray_local.stop()
+        print("stopped.", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

@@ -1,0 +1,116 @@
+"""Start and stop a local Ray cluster for specserve, with token authentication on, on purpose.
+
+Ray 2.60 turns token authentication on by default for a cluster started by `ray.init()`: it
+writes a random token to `~/.ray/auth_token` if none exists and then every RPC, the dashboard
+(8265) and `serve deploy` need it. We do not leave that to the default: `enable_token_auth()`
+sets `RAY_AUTH_MODE=token`, points `RAY_AUTH_TOKEN_PATH` at a token file it creates with mode
+0600 when missing (default: Ray's own `~/.ray/auth_token`), and refreshes Ray's cached config
+so a process that already imported Ray sees the mode (without that refresh the driver keeps
+'disabled' while the GCS it starts demands a token, and `ray.init` fails). Worker processes
+inherit the environment. The Serve HTTP port (the OpenAI API) is not covered by Ray's token;
+it has specserve's own API keys. The metrics export port is unauthenticated, like Prometheus
+expects; both bind to the addresses Ray chooses (use a firewall on shared hosts).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
+
+
+def ensure_token(path: str | Path | None = None) -> Path:
+    """The token file, created (0600, 64 hex characters) if missing or empty."""
+    path = Path(path or os.environ.get("RAY_AUTH_TOKEN_PATH") or DEFAULT_TOKEN_PATH).expanduser()
+    if not path.exists() or not path.read_text().strip():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32))
+    return path
+
+
+def enable_token_auth(token_path: str | Path | None = None) -> Path:
+    """Turn on token auth for this process and the Ray processes it starts; returns the file."""
+    path = ensure_token(token_path)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+    os.environ.pop("RAY_AUTH_TOKEN", None)     # the file is the one source of truth
+    try:   # Ray caches its config (and the token) on first use: make it re-read the environment
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):      # a Ray without token auth: nothing cached
+        pass
+    return path
+
+
+def auth_headers() -> dict[str, str]:
+    """Headers for Ray's own HTTP APIs (dashboard, jobs, `serve deploy`) on this cluster."""
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or DEFAULT_TOKEN_PATH).expanduser()
+    return {"Authorization": f"Bearer {path.read_text().strip()}"} if path.exists() else {}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LocalRay:
+    http_host: str
+    http_port: int
+    metrics_port: int
+    dashboard_url: str | None
+    token_path: Path
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.http_host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
+def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.1",
+          http_port: int = 8000, metrics_port: int | None = None, dashboard: bool = True,
+          dashboard_port: int = 8265, token_path: str | Path | None = None) -> LocalRay:
+    """Start a local Ray cluster (this process is its driver) and Serve's HTTP proxy.
+
+    `num_cpus` is always explicit: Ray's default (every core) oversubscribes small machines.
+    """
+    path = enable_token_auth(token_path)
+    import ray
+    from ray import serve
+
+    metrics_port = metrics_port or free_port()
+    context = ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
+                       dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+                       _metrics_export_port=metrics_port, log_to_driver=False,
+                       namespace="specserve")
+    serve.start(http_options={"host": http_host, "port": http_port})
+    url = getattr(context, "dashboard_url", None)
+    dashboard_url = f"http://{url}" if dashboard and url else None
+    return LocalRay(http_host, http_port, metrics_port, dashboard_url, path)
+
+
+def stop() -> None:
+    """Tear down what `start` began: Serve apps first, then this driver's Ray cluster.
+
+    Never `ray stop`: that kills every Ray process of this user, other clusters' too.
+    """
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

@@ -1,0 +1,206 @@
+"""What every tier replica does, whatever its model: tokenize, run the engine, stream chunks.
+
+`EngineServer` takes its engine class as a parameter (an import path, `AsyncEngine` by
+default), so the deployment stays thin: it turns a `router.wire.GenerateRequest` into
+`engine.generate(...)`, streams `GenerateChunk`s, maps engine errors to `TierError`s with an HTTP
+status, aborts the sequence in `finally` (a client that disconnects makes Serve cancel the
+generator, and the KV is freed at once), reports its stats through `record_routing_stats`
+and exports metrics. No tensor math here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from typing import AsyncIterator
+
+from deployments.metrics import ReplicaMetrics
+from deployments.tp_group import import_object
+from router.wire import GenerateChunk, TierError, GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+ENGINE_CLASS = "engine.async_engine:AsyncEngine"
+
+
+def simple_chat_prompt(messages: list[dict]) -> str:
+    """A plain chat prompt for checkpoints without a chat template."""
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+class EngineServer:
+    kind = "target"
+
+    def __init__(self, tier_config: dict, engine_class: str = ENGINE_CLASS,
+                 stats_period_s: float = 1.0, peers=None):
+        import torch
+
+        torch.set_num_threads(tier_config.get("num_threads", 1))
+        self.tier_config = tier_config
+        config = self.engine_config(tier_config)
+        engine_cls = import_object(engine_class) if isinstance(engine_class, str) else engine_class
+        # peers: ranks 1..N-1 of a tensor-parallel target (engine.model_runner.Peers), or None.
+        self.engine = engine_cls(config, peers=peers)
+        self.tokenizer = self.engine.tokenizer
+        self.metrics = ReplicaMetrics(self.kind)
+        self._stats_period_s = stats_period_s
+        self._exporter: asyncio.Task | None = None
+        self._errors = self._engine_errors()
+        self._kv_per_token = self._kv_bytes_per_token(tier_config)
+
+    @staticmethod
+    def _kv_bytes_per_token(tier_config: dict) -> tuple[float, float]:
+        """KV bytes one token costs rank 0: its target shard plus the whole colocated draft."""
+        from transformers import AutoConfig
+
+        from models.loader import kv_bytes_per_token, resolve_dtype
+
+        dtype = resolve_dtype(tier_config["dtype"])
+        target = kv_bytes_per_token(AutoConfig.from_pretrained(tier_config["model"]), dtype)
+        draft = 0
+        if tier_config.get("draft"):
+            draft = kv_bytes_per_token(AutoConfig.from_pretrained(tier_config["draft"]), dtype)
+        return target / tier_config.get("tp_size", 1), float(draft)
+
+    @staticmethod
+    def engine_config(tier_config: dict):
+        """The engine's dataclass config from a tier's `TierModelConfig` fields."""
+        from engine.config import EngineConfig
+
+        cfg = dict(target=tier_config["model"], draft=tier_config.get("draft"),
+                   dtype=tier_config["dtype"], device=tier_config["device"],
+                   kv_budget_bytes=tier_config.get("kv_budget_bytes"),
+                   max_num_seqs=tier_config["max_num_seqs"],
+                   max_model_len=tier_config.get("max_model_len"),
+                   num_threads=tier_config.get("num_threads", 1),
+                   max_waiting=tier_config["max_waiting"], tp_size=tier_config.get("tp_size", 1))
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(tier_config.get("engine_args") or {}) - known
+        if unknown:
+            raise ValueError(f"engine_args {sorted(unknown)} are not EngineConfig fields")
+        cfg.update(tier_config.get("engine_args") or {})
+        return EngineConfig(**cfg)
+
+    @staticmethod
+    def _engine_errors() -> tuple[type, type]:
+        from engine.errors import EngineOverloadedError, PromptTooLongError
+
+        return PromptTooLongError, EngineOverloadedError
+
+    # -- Serve hooks --------------------------------------------------------------------------
+    async def ready(self) -> dict:
+        self._start_exporter()
+        return {"kind": self.kind, "max_model_len": self.engine.max_model_len,
+                "stats": self.record_routing_stats()}
+
+    def record_routing_stats(self) -> dict:
+        """Serve calls this every `request_routing_stats_period_s`; callers' routers get it."""
+        stats = self.engine.stats()
+        return {"kind": self.kind, "time": time.time(), "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting,
+                "num_speculative": getattr(stats, "num_speculative", 0),
+                "kv_budget_bytes": stats.kv_budget_bytes or 0,
+                "kv_used_target_bytes": stats.kv_used_target_bytes,
+                "kv_used_draft_bytes": stats.kv_used_draft_bytes,
+                "acceptance_rate": stats.acceptance_rate, "max_model_len": stats.max_model_len,
+                "tp_size": self.tier_config.get("tp_size", 1),
+                "target_kv_bytes_per_token": self._kv_per_token[0],
+                "draft_kv_bytes_per_token": self._kv_per_token[1],
+                "cost_model": getattr(stats, "cost_model", None) or {}}
+
+    async def stats(self) -> dict:
+        """Engine stats and cumulative metrics, for `specserve status` and tests."""
+        from dataclasses import asdict
+
+        return {"stats": asdict(self.engine.stats()), "metrics": asdict(self.engine.metrics()),
+                "pid": os.getpid()}
+
+    def __del__(self):
+        try:
+            self.engine.shutdown()
+        except Exception:
+            pass
+
+    # -- requests -----------------------------------------------------------------------------
+    def _prompt_token_ids(self, req: GenerateRequest) -> list[int]:
+        tok = self.tokenizer
+        if req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
+            vocab = len(tok)
+            if any(t >= vocab for t in ids):
+                raise TierError(400, f"prompt token ids must be below the vocabulary size {vocab}",
+                                param="prompt")
+        elif req.messages is not None:
+            if getattr(tok, "chat_template", None):
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=True,
+                                               tokenize=False)
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+            else:
+                ids = tok(simple_chat_prompt(req.messages))["input_ids"]
+        else:
+            ids = tok(req.prompt or "")["input_ids"]
+        if not ids:
+            raise TierError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        from engine.sampling_params import Mode, RequestOptions, SamplingParams
+
+        self._start_exporter()
+        prompt_too_long, overloaded = self._errors
+        try:
+            params = SamplingParams(**req.sampling)
+            options = RequestOptions(mode=Mode(req.mode), k_max=req.k_max, priority=req.priority)
+        except (ValueError, TypeError) as exc:
+            raise TierError(400, str(exc)) from None
+        prompt_ids = self._prompt_token_ids(req)
+        start = last = time.monotonic()
+        first = True
+        try:
+            async for out in self.engine.generate(req.request_id, prompt_ids, params, options):
+                now = time.monotonic()
+                if out.token_ids:
+                    if first:
+                        self.metrics.ttft.observe(now - start, tags={"tier": req.tier})
+                        first = False
+                    else:
+                        self.metrics.itl.observe((now - last) / len(out.token_ids),
+                                                 tags={"tier": req.tier})
+                    last = now
+                yield GenerateChunk(text=out.text, token_ids=list(out.token_ids), finished=out.finished,
+                                finish_reason=_value(out.finish_reason),
+                                num_prompt_tokens=out.num_prompt_tokens,
+                                num_output_tokens=out.num_output_tokens, mode=_value(out.mode),
+                                acceptance_rate=out.acceptance_rate,
+                                mean_acceptance_length=out.mean_acceptance_length)
+        except prompt_too_long as exc:
+            raise TierError(400, str(exc), code="context_length_exceeded",
+                            param="messages" if req.messages is not None else "prompt") from None
+        except overloaded as exc:
+            raise TierError(429, str(exc), type_="rate_limit_error", code="overloaded") from None
+        except ValueError as exc:
+            raise TierError(400, str(exc)) from None
+        finally:
+            # Runs on finish, error and cancellation (client gone): frees the KV at once.
+            self.engine.abort(req.request_id)
+
+    # -- metrics ------------------------------------------------------------------------------
+    def _start_exporter(self) -> None:
+        if self._exporter is None:
+            self._exporter = asyncio.get_running_loop().create_task(self._export_loop())
+
+    async def _export_loop(self) -> None:
+        while True:
+            try:
+                self.metrics.export(self.engine.stats(), self.engine.metrics())
+            except Exception:
+                logger.exception("metrics export failed")
+            await asyncio.sleep(self._stats_period_s)
+
+
+def _value(x):
+    return getattr(x, "value", x)

@@ -1,0 +1,24 @@
+"""The small tier replica: the engine in baseline mode on the small model, its own deployment.
+
+Its outputs differ from the target's (a priced quality trade, not a speed trick). No draft, no
+tensor parallelism. Deployment options are set in `deployments/app.py`.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from deployments.engine_server import EngineServer
+from router.wire import GenerateRequest
+
+
+class SmallServer(EngineServer):
+    kind = "small"
+
+    async def generate(self, req: GenerateRequest):
+        req.mode, req.k_max = "baseline", 0       # never speculative on the small tier
+        async for chunk in super().generate(req):
+            yield chunk
+
+
+SmallDeployment = serve.deployment(SmallServer, name="SmallServer")

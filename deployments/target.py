@@ -1,0 +1,50 @@
+"""The target tier replica: one tensor-parallel group running the engine with its draft.
+
+Serves both target tiers (speculative and baseline are per-request modes of the same engine
+and batch; there is no second copy of the target). The replica process is rank 0: it starts
+ranks 1..N-1 (`deployments/tp_group.py`), watches them, and builds the engine with the draft
+in process. Deployment options (placement group, backpressure) are set in `deployments/app.py`.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from deployments.engine_server import ENGINE_CLASS, EngineServer
+from deployments.tp_group import TP_WORKER_CLASS, TPGroup
+
+
+class TargetServer(EngineServer):
+    kind = "target"
+
+    def __init__(self, tier_config: dict, engine_class: str = ENGINE_CLASS,
+                 stats_period_s: float = 1.0, tp_worker_class: str = TP_WORKER_CLASS):
+        tp_size = tier_config.get("tp_size", 1)
+        config = self.engine_config(tier_config)
+        # Ranks 1..N-1 start in bundles 1..N-1 and wait in the rendezvous; `peers()` joins this
+        # process as rank 0. Every rank gets rank 0's KV budget and block size (same block ids).
+        self.tp_group = TPGroup.start(
+            tp_size,
+            worker_kwargs={"target": config.target, "dtype": config.dtype, "device": config.device,
+                           "kv_budget_bytes": config.kv_budget_bytes,
+                           "block_size": config.block_size},
+            num_cpus=tier_config.get("num_cpus_per_rank", 1.0),
+            num_gpus=tier_config.get("num_gpus_per_rank", 0.0),
+            num_threads=tier_config.get("num_threads", 1), worker_path=tp_worker_class)
+        super().__init__(tier_config, engine_class, stats_period_s,
+                         peers=self.tp_group.peers(config.device))
+        self.tp_group.wait_ready()
+        self.tp_group.watch()
+
+    def check_health(self) -> None:
+        if self.tp_group.failed:
+            raise RuntimeError(self.tp_group.failed)
+
+    async def tp_rank_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 (tests kill one to check the group is rebuilt)."""
+        import ray
+
+        return ray.get([a.pid.remote() for a in self.tp_group.actors])
+
+
+TargetDeployment = serve.deployment(TargetServer, name="TargetServer")

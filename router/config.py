@@ -1,0 +1,182 @@
+"""The application config: what `build_app` and `specserve up/deploy` read from a YAML file.
+
+Owns the user-facing shape of a deployment (model folders, tensor-parallel size, replicas, the
+price table, API keys, limits) as pydantic models that refuse bad input with a clear message.
+Does not own the engine's own dataclass config (`engine.config.EngineConfig`, built from a
+`TierModelConfig` in `deployments/`), nor Ray itself. Imports neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TIERS = ("speculative", "baseline", "small")
+PLANS = ("premium", "standard", "economy", "auto")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TierModelConfig(_Strict):
+    """One engine: a model folder (plus its draft for the target) and how its replicas run."""
+    model: str = Field(description="local Hugging Face checkpoint folder")
+    draft: str | None = Field(None, description="draft checkpoint folder (target tier only)")
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per replica")
+    num_replicas: int = Field(1, ge=1, description="replicas (one placement group each)")
+    dtype: str = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    num_cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank bundle")
+    num_gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per rank bundle (1 in production)")
+    kv_budget_bytes: int | None = Field(None, gt=0, description="None: derived from device memory")
+    max_num_seqs: int = Field(32, ge=1, description="largest running batch")
+    max_model_len: int | None = Field(None, ge=8, description="None: the checkpoint's context")
+    max_waiting: int = Field(64, ge=0, description="engine waiting-queue bound (then 429)")
+    num_threads: int = Field(1, ge=1, description="torch threads per rank process")
+    max_ongoing_requests: int = Field(64, ge=1, description="Serve: concurrent requests per replica")
+    max_queued_requests: int = Field(32, ge=1, description="Serve: queued requests per caller")
+    k_max: int = Field(4, ge=0, le=16, description="speculation length bound (target tier)")
+    engine_args: dict[str, Any] = Field(default_factory=dict,
+                                        description="more EngineConfig fields (adaptive_k, block_size, ...)")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value: str) -> str:
+        allowed = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16"}
+        if value not in allowed:
+            raise ValueError(f"dtype must be one of {sorted(allowed)}, got {value!r}")
+        return value
+
+
+class TierPrice(_Strict):
+    """USD per million tokens."""
+    prompt_per_1m: float = Field(ge=0)
+    completion_per_1m: float = Field(ge=0)
+
+
+def _default_prices() -> dict[str, TierPrice]:
+    return {"speculative": TierPrice(prompt_per_1m=3.0, completion_per_1m=15.0),
+            "baseline": TierPrice(prompt_per_1m=1.0, completion_per_1m=5.0),
+            "small": TierPrice(prompt_per_1m=0.1, completion_per_1m=0.4)}
+
+
+class InlineKey(_Strict):
+    """A key given in the config itself, already hashed (see `router.keys`)."""
+    name: str
+    plan: Literal["premium", "standard", "economy", "auto"]
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class AuthConfig(_Strict):
+    require_key: bool = Field(True, description="False: a request without a key gets default_plan")
+    keys_file: str | None = Field(None, description="JSON file of hashed keys (specserve keys add)")
+    keys: list[InlineKey] = Field(default_factory=list)
+    default_plan: Literal["premium", "standard", "economy", "auto"] = "auto"
+
+
+class LimitsConfig(_Strict):
+    max_queued_requests: int = Field(64, ge=1, description="ingress: queued requests per proxy")
+    max_ongoing_requests: int = Field(256, ge=1, description="ingress: concurrent requests")
+    retry_after_s: float = Field(1.0, ge=0, description="Retry-After sent with a 429")
+    max_tokens_default: int = Field(16, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1)
+
+
+class StatsConfig(_Strict):
+    period_s: float = Field(1.0, gt=0, description="replica stats period (record_routing_stats)")
+    stale_after_s: float = Field(10.0, gt=0, description="stats older than this count as missing")
+
+
+class AppConfig(_Strict):
+    """Everything one specserve application needs; `build_app(AppConfig)` turns it into Serve."""
+    name: str = "specserve"
+    model_name: str = Field("specserve", description="the `model` clients send; /v1/models lists it")
+    model_aliases: list[str] = Field(default_factory=list)
+    route_prefix: str = "/"
+    target: TierModelConfig
+    small: TierModelConfig | None = None
+    prices: dict[str, TierPrice] = Field(default_factory=_default_prices)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    stats: StatsConfig = Field(default_factory=StatsConfig)
+    policy: dict[str, Any] = Field(default_factory=dict, description="kwargs for the policy's config")
+    ingress_num_cpus: float = Field(0.1, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        missing = [t for t in TIERS if t not in self.prices]
+        if missing:
+            raise ValueError(f"prices is missing tiers {missing}; give all of {list(TIERS)}")
+        unknown = [t for t in self.prices if t not in TIERS]
+        if unknown:
+            raise ValueError(f"prices has unknown tiers {unknown}; tiers are {list(TIERS)}")
+        if self.small is not None and self.small.draft is not None:
+            raise ValueError("the small tier runs without a draft; remove small.draft")
+        if self.small is not None and self.small.tp_size != 1:
+            raise ValueError("the small tier runs with tp_size 1")
+        if self.target.tp_size > 1 and self.target.kv_budget_bytes is None:
+            raise ValueError("target.kv_budget_bytes must be set when tp_size > 1: every rank "
+                             "allocates rank 0's KV budget (the same block ids) before it loads")
+        return self
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return [self.model_name, *self.model_aliases]
+
+    def resolve_paths(self, base: str | Path) -> "AppConfig":
+        """Model and key paths relative to the config file's folder (and `~`) made absolute."""
+        base = Path(base)
+
+        def fix(path: str | None) -> str | None:
+            if path is None:
+                return None
+            p = Path(path).expanduser()
+            return str(p if p.is_absolute() else (base / p).resolve())
+
+        data = self.model_dump()
+        for tier in ("target", "small"):
+            if data.get(tier):
+                data[tier]["model"] = fix(data[tier]["model"])
+                data[tier]["draft"] = fix(data[tier]["draft"])
+        data["auth"]["keys_file"] = fix(data["auth"]["keys_file"])
+        return AppConfig.model_validate(data)
+
+
+DEMO_PLACEHOLDER = "{demo_family}"
+
+
+def default_demo_dir() -> Path:
+    """Where `models.demo` builds the demo family (kept in step with it; no torch import here)."""
+    return Path(os.environ.get("SPECSERVE_DEMO_DIR") or "~/.cache/specserve/demo-family").expanduser()
+
+
+def read_yaml(path: str | Path, demo_dir: str | Path | None = None) -> dict:
+    """The YAML file as a dict, with `{demo_family}` replaced by the demo family's folder."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    text = path.read_text().replace(DEMO_PLACEHOLDER, str(demo_dir or default_demo_dir()))
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def uses_demo_family(path: str | Path) -> bool:
+    return DEMO_PLACEHOLDER in Path(path).expanduser().read_text()
+
+
+def load_config(path: str | Path, demo_dir: str | Path | None = None) -> AppConfig:
+    """Read a YAML app config; relative paths in it are taken from the file's folder.
+
+    The file holds the `AppConfig` fields under `app:` (beside `launcher:`, the settings of
+    `specserve up`), or at the top level. `{demo_family}` in a path is the demo family folder.
+    """
+    data = read_yaml(path, demo_dir)
+    data = data.get("app", data)
+    return AppConfig.model_validate(data).resolve_paths(Path(path).expanduser().parent)

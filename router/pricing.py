@@ -1,0 +1,52 @@
+"""Prices and plans: what a request costs on the tier that served it, and which plans may use
+which pricing endpoint.
+
+Owns the price arithmetic (USD per million prompt and completion tokens, per tier, from the
+config's price table) and plan coverage (`/premium/v1/...`, `/standard/v1/...`,
+`/economy/v1/...` beside `/v1/...`, which uses the key's own plan). Does not own the tier
+choice (`router/policy.py`) nor key storage (`router/keys.py`). Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Plans in price order. A key's plan covers its own endpoint and the cheaper ones; an `auto`
+# key (the router picks the tier and the price follows) covers every endpoint.
+PLAN_RANK = {"economy": 0, "standard": 1, "premium": 2, "auto": 3}
+
+
+@dataclass(frozen=True)
+class Price:
+    prompt_per_1m: float
+    completion_per_1m: float
+
+
+@dataclass
+class PriceTable:
+    prices: dict[str, Price]     # tier -> price
+
+    @classmethod
+    def from_config(cls, prices: dict) -> "PriceTable":
+        return cls({tier: Price(float(p.prompt_per_1m), float(p.completion_per_1m))
+                    for tier, p in prices.items()})
+
+    def price_usd(self, tier: str, prompt_tokens: int, completion_tokens: int) -> float:
+        """USD for one request, rounded to a millionth of a cent."""
+        price = self.prices[tier]
+        usd = (prompt_tokens * price.prompt_per_1m + completion_tokens * price.completion_per_1m) / 1e6
+        return round(usd, 8)
+
+
+def plan_covers(key_plan: str, endpoint_plan: str) -> bool:
+    """May a key bound to `key_plan` call the pricing endpoint of `endpoint_plan`?"""
+    if key_plan == "auto":
+        return True
+    if endpoint_plan == "auto":          # plain /v1/...: the key's own plan applies
+        return True
+    return PLAN_RANK[key_plan] >= PLAN_RANK[endpoint_plan]
+
+
+def effective_plan(key_plan: str, endpoint_plan: str) -> str:
+    """The plan a request runs under: the endpoint's, or the key's on plain `/v1/...`."""
+    return key_plan if endpoint_plan == "auto" else endpoint_plan

@@ -1,0 +1,64 @@
+"""The messages that cross the one network hop inside the app: ingress -> tier replica.
+
+Plain dataclasses (pickled by Ray), no torch, so the ingress never imports the engine. A replica
+turns a `GenerateRequest` into an engine call and streams `GenerateChunk`s back; anything that must
+become an HTTP error is raised as a `TierError` carrying its status, so the ingress maps it
+without knowing engine exception types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    tier: str                                 # speculative | baseline | small
+    mode: str                                 # engine Mode value: speculative | baseline
+    k_max: int
+    sampling: dict                            # SamplingParams keyword arguments
+    prompt: str | None = None                 # completions: text ...
+    prompt_token_ids: list[int] | None = None  # ... or token ids
+    messages: list[dict] | None = None        # chat: [{"role", "content"}]
+    priority: int = 0
+
+
+@dataclass
+class GenerateChunk:
+    text: str                                 # the delta since the previous chunk
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    mode: str = "baseline"
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+
+
+class TierError(Exception):
+    """An error a replica reports to the client: HTTP status, OpenAI error type and code."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(status, message, type_, code, param)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def find_tier_error(exc: BaseException) -> TierError | None:
+    """The `TierError` inside an exception that crossed Ray (`RayTaskError` keeps a `cause`)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, TierError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+        seen += 1
+    return None

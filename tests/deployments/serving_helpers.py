@@ -1,0 +1,99 @@
+"""Helpers: a real local Ray cluster with the specserve app on tiny random models.
+
+The machine this runs on may have 2 cores shared with other work: Ray starts with an explicit
+`num_cpus`, replicas run one torch thread, and every module tears its cluster down (Serve
+first, then Ray; never `ray stop`, which would kill other users' clusters). Token auth is on,
+with a token file in the test's tmp dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from router.keys import make_record
+
+PLANS = ("premium", "standard", "economy", "auto")
+APP_NAME = "specserve"
+MODEL = "tiny"
+
+
+@dataclass
+class ServedApp:
+    url: str
+    metrics_url: str
+    keys: dict[str, str] = field(default_factory=dict)     # plan -> API key
+
+    def client(self, plan: str = "auto", timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout,
+                            headers={"Authorization": f"Bearer {self.keys[plan]}"})
+
+    def async_client(self, plan: str = "auto", timeout: float = 120.0) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=timeout,
+                                 headers={"Authorization": f"Bearer {self.keys[plan]}"})
+
+    def handle(self, deployment: str):
+        from ray import serve
+
+        return serve.get_deployment_handle(deployment, app_name=APP_NAME)
+
+
+def app_config(family: dict, keys: list, **overrides) -> dict:
+    cfg = {"model_name": MODEL,
+           "target": {"model": str(family["target"]), "draft": str(family["draft"]),
+                      "num_cpus_per_rank": 0.5, "kv_budget_bytes": 8 << 20},
+           "small": {"model": str(family["small"]), "num_cpus_per_rank": 0.5,
+                     "kv_budget_bytes": 4 << 20},
+           "auth": {"keys": keys}, "stats": {"period_s": 0.5}}
+    for section, values in overrides.items():
+        if isinstance(values, dict) and isinstance(cfg.get(section), dict):
+            cfg[section] = {**cfg[section], **values}
+        else:
+            cfg[section] = values
+    return cfg
+
+
+@contextlib.contextmanager
+def served_app(tmp_path, family: dict, num_cpus: int = 4, **overrides):
+    """Start Ray (token auth on), deploy the app, wait until every tier reports stats."""
+    from ray import serve
+
+    from cluster import ray_local
+    from deployments.app import build_app
+
+    keys, inline = {}, []
+    for plan in PLANS:
+        key, record = make_record(f"test-{plan}", plan)
+        keys[plan] = key
+        inline.append({"name": record.name, "plan": plan, "sha256": record.sha256})
+    local = ray_local.start(num_cpus=num_cpus, http_port=ray_local.free_port(), dashboard=False,
+                            token_path=tmp_path / "ray_token")
+    try:
+        serve.run(build_app(app_config(family, inline, **overrides)), name=APP_NAME,
+                  route_prefix="/")
+        app = ServedApp(local.api_url, local.metrics_url, keys)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if httpx.get(app.url + "/health", timeout=10).status_code == 200:
+                break
+            time.sleep(0.5)
+        else:
+            raise TimeoutError("the app did not report every tier healthy within 120 s")
+        yield app
+    finally:
+        ray_local.stop()
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE response, `[DONE]` included as a string."""
+    import json
+
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

@@ -1,0 +1,94 @@
+"""A tier replica's class without Ray: engine errors become HTTP statuses, cancellation frees KV."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.small import SmallServer
+from deployments.target import TargetServer
+from router.config import TierModelConfig
+from router.wire import GenerateRequest, TierError
+
+
+def _server(cls, family, **fields):
+    role = "small" if cls is SmallServer else "target"
+    draft = str(family["draft"]) if cls is TargetServer else None
+    cfg = TierModelConfig(model=str(family[role]), draft=draft, kv_budget_bytes=4 << 20, **fields)
+    return cls(cfg.model_dump())
+
+
+def _collect(server, req):
+    async def run():
+        return [chunk async for chunk in server.generate(req)]
+    return asyncio.run(run())
+
+
+def _request(rid="r", tier="small", mode="baseline", k_max=0, **kwargs):
+    sampling = kwargs.pop("sampling", {"max_tokens": 4, "temperature": 0})
+    return GenerateRequest(rid, tier, mode, k_max, sampling, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def small(tiny_family):
+    server = _server(SmallServer, tiny_family)
+    yield server
+    server.engine.shutdown()
+
+
+def test_generate_streams_chunks_and_counts(small):
+    chunks = _collect(small, _request(prompt="def add(a, b):"))
+    assert chunks[-1].finished and chunks[-1].num_output_tokens == 4
+    assert sum(len(c.token_ids) for c in chunks) == 4 and chunks[-1].mode == "baseline"
+    chat = _collect(small, _request(messages=[{"role": "user", "content": "hi"}]))
+    assert chat[-1].num_prompt_tokens > 1
+
+
+def test_bad_requests_are_400(small):
+    with pytest.raises(TierError) as err:
+        _collect(small, _request(prompt="x", sampling={"max_tokens": 4, "top_p": 0}))
+    assert err.value.status == 400
+    with pytest.raises(TierError) as err:
+        _collect(small, _request(prompt_token_ids=[10**6]))
+    assert err.value.status == 400 and err.value.param == "prompt"
+    with pytest.raises(TierError) as err:
+        _collect(small, _request(prompt=""))
+    assert err.value.status == 400
+
+
+def test_a_full_engine_queue_is_429(tiny_family):
+    server = _server(SmallServer, tiny_family, max_waiting=0)
+    try:
+        with pytest.raises(TierError) as err:
+            _collect(server, _request(prompt="hi"))
+        assert err.value.status == 429 and err.value.type == "rate_limit_error"
+    finally:
+        server.engine.shutdown()
+
+
+def test_a_cancelled_stream_frees_its_kv_at_once(tiny_family):
+    server = _server(TargetServer, tiny_family)    # tp_size 1: no rank actors, no Ray needed
+    assert server.tp_group.actors == []
+
+    async def run():
+        req = _request(tier="speculative", mode="speculative", k_max=4, prompt="def add(a, b):",
+                       sampling={"max_tokens": 400, "ignore_eos": True})
+        gen = server.generate(req)
+        await gen.__anext__()
+        assert server.engine.stats().kv_used_target_bytes > 0
+        await gen.aclose()            # what Serve does when the client disconnects
+        return server.engine.stats()
+
+    try:
+        stats = asyncio.run(run())
+        assert stats.num_running == 0 and stats.num_waiting == 0
+        assert stats.kv_used_target_bytes == 0 and stats.kv_used_draft_bytes == 0
+    finally:
+        server.engine.shutdown()
+
+
+def test_no_ray_instance_was_started():
+    import ray
+
+    assert not ray.is_initialized()   # the replica classes run in a plain process without Ray

@@ -1,0 +1,223 @@
+"""The served app end to end on one local Ray cluster: every endpoint, tier, error and limit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from serving_helpers import MODEL, served_app, sse_events
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ENDPOINTS = {"auto": "/v1", "premium": "/premium/v1", "standard": "/standard/v1",
+             "economy": "/economy/v1"}
+EXPECTED_TIER = {"premium": "speculative", "standard": "baseline", "economy": "small"}
+
+
+@pytest.fixture(scope="module")
+def app(long_family, module_tmp):
+    # The small tier takes one request at a time and queues one more: the overload test
+    # fills it; the other tests never send it two at once. The tiny draft costs as much as
+    # the tiny target, so adaptive k would never draft: draft k_max every step instead.
+    with served_app(module_tmp, long_family,
+                    target={"engine_args": {"adaptive_k": False}},
+                    small={"max_ongoing_requests": 1, "max_queued_requests": 1}) as served:
+        yield served
+
+
+def _completion(app, plan, **body):
+    with app.client(plan) as client:
+        return client.post(ENDPOINTS[plan] + "/completions",
+                           json={"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8,
+                                 **body})
+
+
+def test_health_and_models(app):
+    health = httpx.get(app.url + "/health").json()
+    assert health["status"] == "ok" and set(health["tiers"]) == {"target", "small"}
+    with app.client() as client:
+        models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+@pytest.mark.parametrize("plan", ["auto", "premium", "standard", "economy"])
+def test_completions_on_every_endpoint(app, plan):
+    r = _completion(app, plan, temperature=0)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    usage = body["usage"]
+    assert body["object"] == "text_completion" and body["choices"][0]["text"]
+    assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] > 0
+    assert usage["price_usd"] > 0 and usage["reason"]
+    assert r.headers["x-specserve-tier"] == usage["tier"]
+    assert r.headers["x-specserve-reason"] == usage["reason"]
+    if plan in EXPECTED_TIER:
+        assert usage["tier"] == EXPECTED_TIER[plan]
+
+    with app.client(plan) as client, client.stream(
+            "POST", ENDPOINTS[plan] + "/completions",
+            json={"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8, "stream": True,
+                  "temperature": 0}) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(stream)
+    assert events[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text == body["choices"][0]["text"]          # greedy: streamed == not streamed
+    assert events[-2]["usage"]["tier"] == usage["tier"]
+
+
+@pytest.mark.parametrize("plan", ["auto", "premium", "standard", "economy"])
+def test_chat_with_the_openai_client(app, plan):
+    import openai
+
+    client = openai.OpenAI(base_url=app.url + ENDPOINTS[plan], api_key=app.keys[plan],
+                           max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "print the squares"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                           temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.completion_tokens == 6
+    extra = reply.usage.model_extra
+    assert extra["tier"] and extra["price_usd"] > 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                 temperature=0, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def _target(app) -> dict:
+    return app.handle("TargetServer").stats.remote().result(timeout_s=30)
+
+
+def test_greedy_speculative_equals_baseline_token_for_token(app):
+    prompts = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]
+    drafts_before = _target(app)["metrics"]["num_draft_tokens"]
+    for prompt in prompts:
+        common = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                  "return_token_ids": True}
+        spec = _completion(app, "premium", speculation="on", **common).json()
+        base = _completion(app, "standard", speculation="off", **common).json()
+        assert spec["usage"]["tier"] == "speculative" and base["usage"]["tier"] == "baseline"
+        assert spec["choices"][0]["token_ids"] == base["choices"][0]["token_ids"]
+        assert len(spec["choices"][0]["token_ids"]) == 24
+        assert spec["usage"]["acceptance_rate"] is not None
+    assert _target(app)["metrics"]["num_draft_tokens"] > drafts_before   # it did speculate
+
+
+def _error(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"} and error["message"]
+    return error
+
+
+def test_errors_have_status_and_openai_body(app):
+    with app.client() as client:
+        _error(client.post("/v1/completions", content=b"{not json",
+                           headers={"content-type": "application/json"}), 400)
+        err = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                          "temperature": 5}), 400)
+        assert err["param"] == "temperature"
+        _error(client.post("/v1/completions", json={"model": MODEL}), 400)     # no prompt
+        _error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
+        _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                    "max_tokens": 0}), 400)
+        err = _error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
+        assert err["code"] == "model_not_found"
+        assert _error(client.get("/v1/embeddingz"), 404)["code"] == "not_found"
+        err = _error(client.post("/v1/completions",
+                                 json={"model": MODEL, "prompt": "a " * 5000}), 400)
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        assert "at most 4095" in err["message"]     # 4096 positions: the prompt + one token
+    no_key = httpx.post(app.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert _error(no_key, 401)["type"] == "authentication_error"
+    bad_key = httpx.post(app.url + "/v1/completions", json={"model": MODEL, "prompt": "x"},
+                         headers={"Authorization": "Bearer sk-ss-nope"})
+    _error(bad_key, 401)
+    with app.client("economy") as client:
+        err = _error(client.post("/premium/v1/completions",
+                                 json={"model": MODEL, "prompt": "x"}), 403)
+        assert err["type"] == "permission_error"
+        _error(client.get("/premium/v1/models"), 403)
+    with app.client("standard") as client:   # a standard key may use the cheaper endpoint
+        assert client.post("/economy/v1/completions",
+                           json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_overload_answers_429_with_retry_after(app):
+    async def burst():
+        async with app.async_client("economy") as client:
+            # Long enough that the first request still runs when the last one arrives.
+            body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 400,
+                    "ignore_eos": True}
+            return await asyncio.gather(*[client.post("/economy/v1/completions", json=body)
+                                          for _ in range(10)])
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert 200 in statuses and 429 in statuses, statuses
+    assert set(statuses) <= {200, 429}
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def _target_stats(app) -> dict:
+    return _target(app)["stats"]
+
+
+def test_disconnected_stream_frees_its_kv(app):
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 4000, "ignore_eos": True,
+            "stream": True, "speculation": "on"}
+    emitted_before = _target(app)["metrics"]["num_emitted_tokens"]
+    with app.client("premium") as client, client.stream("POST", "/premium/v1/completions",
+                                                         json=body) as stream:
+        lines = stream.iter_lines()     # keep a reference: a closed iterator closes the socket
+        for line in lines:
+            if line.startswith("data: "):
+                break
+        stats = _target_stats(app)
+        assert stats["num_running"] == 1 and stats["kv_used_target_bytes"] > 0
+        assert stats["kv_used_draft_bytes"] > 0
+        # The router sees it too: replica stats reach the ingress through Serve's routing stats.
+        deadline = time.time() + 10
+        while httpx.get(app.url + "/health").json()["tiers"]["target"]["running"] != 1:
+            assert time.time() < deadline, "the ingress never saw the running sequence"
+            time.sleep(0.2)
+        lines.close()       # the client goes away mid-stream
+    closed_at = time.time()
+    while time.time() < closed_at + 10:
+        stats = _target_stats(app)
+        if stats["num_running"] == 0 and stats["kv_used_target_bytes"] == 0:
+            break
+        time.sleep(0.1)
+    freed_after = time.time() - closed_at
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv_used_target_bytes"] == 0 and stats["kv_used_draft_bytes"] == 0
+    emitted = _target(app)["metrics"]["num_emitted_tokens"] - emitted_before
+    assert emitted < 4000, "the sequence ran to the end: it was not aborted"
+    assert freed_after < 5
+
+
+def test_metrics_appear_on_the_export_port(app):
+    _completion(app, "premium", speculation="on", temperature=0)
+    wanted = ["ray_specserve_tier_decisions_total", "ray_specserve_requests_total",
+              "ray_specserve_spec_decode_num_emitted_tokens_total",
+              "ray_specserve_num_requests_running", "ray_specserve_kv_cache_used_bytes",
+              "ray_specserve_time_to_first_token_seconds_bucket",
+              "ray_specserve_inter_token_latency_seconds_bucket"]
+    deadline, missing = time.time() + 60, wanted
+    while time.time() < deadline:
+        text = httpx.get(app.metrics_url, timeout=10).text
+        missing = [name for name in wanted if name not in text]
+        if not missing:
+            break
+        time.sleep(2)
+    assert not missing, f"not exported: {missing}"
+    assert 'tier="speculative"' in text and 'reason="plan_premium"' in text

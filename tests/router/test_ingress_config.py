@@ -1,0 +1,184 @@
+"""The ingress's pure parts, without Ray: configs, keys, prices, request validation, stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from router.config import AppConfig, load_config, uses_demo_family
+from router.keys import KeyStore, add_key, make_record, read_keys
+from router.openai_schema import ChatCompletionRequest, CompletionRequest, error_body
+from router.pricing import PriceTable, effective_plan, plan_covers
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "cluster" / "configs"
+
+
+def test_local_yaml_loads_with_the_demo_family(tmp_path):
+    assert uses_demo_family(CONFIGS / "local.yaml")
+    cfg = load_config(CONFIGS / "local.yaml", demo_dir=tmp_path / "demo")
+    assert cfg.target.model == str(tmp_path / "demo" / "target")
+    assert cfg.target.draft == str(tmp_path / "demo" / "draft")
+    assert cfg.small is not None and cfg.small.num_replicas == 1
+    assert cfg.target.tp_size == 1 and cfg.target.device == "cpu"
+    assert cfg.auth.keys_file and os.path.isabs(cfg.auth.keys_file)
+
+
+def test_llama2_70b_yaml_loads():
+    cfg = load_config(CONFIGS / "llama2-70b-4xa100.yaml")
+    assert cfg.target.tp_size == 4 and cfg.target.num_gpus_per_rank == 1
+    assert cfg.target.model.endswith("Llama-2-70b-hf") and cfg.target.draft.endswith("Llama-2-7b-hf")
+    assert cfg.small.model.endswith("Meta-Llama-3-8B-Instruct") and cfg.small.device == "cuda"
+    assert set(cfg.prices) == {"speculative", "baseline", "small"}
+
+
+def test_ray_cluster_launcher_yaml_matches_the_topology():
+    import yaml
+
+    launcher = yaml.safe_load((REPO / "ray_config.yaml").read_text())
+    workers = launcher["available_node_types"]
+    gpus = [t["resources"].get("GPU", 0) for t in workers.values()]
+    assert 4 in gpus and launcher["head_node_type"] in workers
+
+
+def test_config_refuses_bad_input():
+    base = {"target": {"model": "/m"}}
+    AppConfig.model_validate(base)
+    with pytest.raises(ValidationError, match="tp_size"):
+        AppConfig.model_validate({"target": {"model": "/m", "tp_size": 0}})
+    with pytest.raises(ValidationError, match="dtype"):
+        AppConfig.model_validate({"target": {"model": "/m", "dtype": "int3"}})
+    with pytest.raises(ValidationError, match="missing tiers"):
+        AppConfig.model_validate({**base, "prices": {"baseline": {"prompt_per_1m": 1,
+                                                                  "completion_per_1m": 1}}})
+    with pytest.raises(ValidationError, match="small tier runs without a draft"):
+        AppConfig.model_validate({**base, "small": {"model": "/s", "draft": "/d"}})
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        AppConfig.model_validate({**base, "targte": {}})
+
+
+def test_keys_are_stored_hashed_and_found(tmp_path):
+    path = tmp_path / "keys.json"
+    key = add_key(path, "alice", "premium")
+    assert key.startswith("sk-ss-") and key not in path.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    records = read_keys(path)
+    assert [(r.name, r.plan) for r in records] == [("alice", "premium")]
+    with pytest.raises(ValueError, match="already exists"):
+        add_key(path, "alice", "economy")
+    with pytest.raises(ValueError, match="unknown plan"):
+        add_key(path, "bob", "gold")
+    store = KeyStore(records)
+    assert store.lookup(key).plan == "premium" and store.lookup(key + "x") is None
+
+
+def test_keys_from_config_file_and_inline(tmp_path):
+    path = tmp_path / "keys.json"
+    file_key = add_key(path, "a", "economy")
+    inline_key, record = make_record("b", "auto")
+    cfg = AppConfig.model_validate({"target": {"model": "/m"}, "auth": {
+        "keys_file": str(path), "keys": [{"name": "b", "plan": "auto", "sha256": record.sha256}]}})
+    store = KeyStore.from_config(cfg.auth)
+    assert store.lookup(file_key).plan == "economy" and store.lookup(inline_key).plan == "auto"
+
+
+def test_plan_coverage_and_prices():
+    assert plan_covers("premium", "economy") and plan_covers("auto", "premium")
+    assert not plan_covers("economy", "premium") and not plan_covers("standard", "premium")
+    assert plan_covers("economy", "auto")
+    assert effective_plan("economy", "auto") == "economy"
+    assert effective_plan("auto", "premium") == "premium"
+    cfg = AppConfig.model_validate({"target": {"model": "/m"}})
+    table = PriceTable.from_config(cfg.prices)
+    assert table.price_usd("speculative", 1_000_000, 0) == cfg.prices["speculative"].prompt_per_1m
+    assert table.price_usd("small", 100, 100) < table.price_usd("baseline", 100, 100) \
+        < table.price_usd("speculative", 100, 100)
+
+
+def test_request_validation():
+    ok = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stop": "\n"})
+    assert ok.stop == ["\n"] and ok.speculation == "auto" and not ok.allow_downgrade
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["one"]}).prompt == "one"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompt == [1, 2]
+    for bad in ({"model": "m", "prompt": "x", "n": 2}, {"model": "m", "prompt": "x", "top_p": 0},
+                {"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": "x", "logprobs": 3},
+                {"model": "m", "prompt": "x", "speculation": "maybe"}, {"model": "m"}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate(bad)
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "max_completion_tokens": 5,
+         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert chat.plain_messages() == [{"role": "user", "content": "hi"}]
+    assert chat.sampling_kwargs(16)["max_tokens"] == 5
+    assert json.dumps(error_body("m", "invalid_request_error", "c"))
+
+
+def test_live_stats_become_policy_stats():
+    from router.live_stats import ReplicaStats, TierSnapshot, to_cluster_stats
+
+    busy = ReplicaStats("a", time=1, num_running=3, num_waiting=2, kv_budget_bytes=1000,
+                        kv_used_target_bytes=400, kv_used_draft_bytes=100, num_speculative=1,
+                        target_kv_bytes_per_token=10, draft_kv_bytes_per_token=2,
+                        acceptance_rate=0.8, cost_model={
+                            "target": {"fixed_s": 1e-3, "per_seq_s": 1e-5, "per_token_s": 1e-6},
+                            "draft": {"fixed_s": 1e-4, "per_seq_s": 1e-6, "per_token_s": 1e-7}})
+    idle = ReplicaStats("b", time=1, kv_budget_bytes=1000, target_kv_bytes_per_token=10,
+                        draft_kv_bytes_per_token=2, cost_model=busy.cost_model)
+    snapshots = {"target": TierSnapshot("target", [busy, idle], 1, num_queued_here=1),
+                 "small": TierSnapshot("small", [])}
+    assert snapshots["target"].next_replica is idle
+    stats = to_cluster_stats(snapshots, {"code": 0.9})
+    target = stats.target
+    assert target.decode_batch_size == 0 and target.queue_depth == 1
+    assert target.kv_headroom_bytes == 1000 and target.can_speculate
+    assert target.acceptance_by_class["code"] == 0.9
+    assert stats.small.decode_batch_size == 0
+    snapshots["target"] = TierSnapshot("target", [busy], 1)
+    target = to_cluster_stats(snapshots, {}).target
+    assert target.decode_batch_size == 3 and target.queue_depth == 2
+    assert target.kv_headroom_bytes == 500 and target.context_tokens == 40
+    assert target.acceptance_by_class["chat"] == 0.8
+
+
+def test_token_auth_is_switched_on_explicitly(tmp_path, monkeypatch):
+    from cluster import ray_local
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    path = ray_local.enable_token_auth(tmp_path / "token")
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(path)
+    assert len(path.read_text()) == 64 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    token = path.read_text()
+    assert ray_local.enable_token_auth(path).read_text() == token      # kept, not rotated
+    assert ray_local.auth_headers() == {"Authorization": f"Bearer {token}"}
+
+
+def test_deploy_writes_a_serve_config():
+    from cluster.launch_deploy import serve_config
+
+    cfg = load_config(CONFIGS / "llama2-70b-4xa100.yaml")
+    config = serve_config(cfg, "local:///opt/specserve", "0.0.0.0", 8000)
+    app = config["applications"][0]
+    assert app["import_path"] == "deployments.app:build_app"
+    assert AppConfig.model_validate(app["args"]) == cfg
+    assert app["runtime_env"]["working_dir"] == "local:///opt/specserve"
+    with pytest.raises(ValueError, match="local://"):
+        serve_config(cfg, "/home/me/specserve", "0.0.0.0", 8000)
+
+
+def test_grafana_dashboard_uses_only_exported_metrics():
+    import re
+
+    dashboard = json.loads((REPO / "cluster" / "grafana_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(total|bucket)$", "", m)[len("ray_"):]
+            for e in exprs for m in re.findall(r"ray_specserve_\w+", e)}
+    source = (REPO / "deployments" / "metrics.py").read_text() + (REPO / "router" / "ingress.py").read_text()
+    declared = set(re.findall(r'"(specserve_[a-z_]+)"', source))
+    assert used and used <= declared, used - declared
