@@ -107,6 +107,7 @@ class EngineServer:
                 "kv_used_target_bytes": stats.kv_used_target_bytes,
                 "kv_used_draft_bytes": stats.kv_used_draft_bytes,
                 "acceptance_rate": stats.acceptance_rate, "max_model_len": stats.max_model_len,
+                "token_acceptance": stats.token_acceptance,
                 "tp_size": self.tier_config.get("tp_size", 1),
                 "target_kv_bytes_per_token": self._kv_per_token[0],
                 "draft_kv_bytes_per_token": self._kv_per_token[1],
@@ -176,7 +177,8 @@ class EngineServer:
                                 num_prompt_tokens=out.num_prompt_tokens,
                                 num_output_tokens=out.num_output_tokens, mode=_value(out.mode),
                                 acceptance_rate=out.acceptance_rate,
-                                mean_acceptance_length=out.mean_acceptance_length)
+                                mean_acceptance_length=out.mean_acceptance_length,
+                                token_acceptance=out.token_acceptance)
         except prompt_too_long as exc:
             raise TierError(400, str(exc), code="context_length_exceeded",
                             param="messages" if req.messages is not None else "prompt") from None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 import logging
 import math
 import time
@@ -89,7 +90,9 @@ class Ingress:
         self.live = LiveStats(self.handles, self.cfg.stats.period_s, self.cfg.stats.stale_after_s)
         self.policy_config = policy.PolicyConfig(**self.cfg.policy)
         self.policy_state = policy.PolicyState()
-        self.acceptance_by_class: dict[str, float] = {}
+        self.acceptance_by_class: dict[str, float] = {}     # per-token a, EWMA per class
+        self.recent_acceptance: deque[float] = deque(maxlen=64)  # a of finished spec requests
+        self.recent_lengths: deque[tuple[int, int]] = deque(maxlen=64)  # (prompt, output)
         self.retry_after = str(max(1, math.ceil(self.cfg.limits.retry_after_s)))
         self.m_decisions = metrics.Counter("specserve_tier_decisions", tag_keys=("tier", "reason"),
                                            description="Tier decisions by tier and reason.")
@@ -149,7 +152,8 @@ class Ingress:
                                  prompt_class=policy.classify_prompt(text),
                                  prompt_tokens=prompt_len, max_tokens=max_tokens)
         try:
-            stats = to_cluster_stats(self.live.snapshots(), self.acceptance_by_class)
+            stats = to_cluster_stats(self.live.snapshots(), self.acceptance_by_class,
+                                     self._recent())
             decision = policy.choose_tier(req, stats, self.policy_state, self.policy_config)
             self.policy_state = decision.state
             tier, k_max, reason = decision.tier, decision.k_max, decision.reason
@@ -161,6 +165,15 @@ class Ingress:
             tier, reason = "baseline", "no_small_tier"
         self.m_decisions.inc(tags={"tier": tier, "reason": reason})
         return tier, k_max, reason, req.prompt_class
+
+    def _recent(self) -> dict:
+        """What recently finished requests tell the policy (TierStats fields)."""
+        out = {"acceptance_samples": tuple(self.recent_acceptance)}
+        if self.recent_lengths:
+            n = len(self.recent_lengths)
+            out["mean_prompt_tokens"] = sum(p for p, _ in self.recent_lengths) / n
+            out["mean_output_tokens"] = sum(o for _, o in self.recent_lengths) / n
+        return out
 
     async def _start(self, gen_req: GenerateRequest):
         """Send to the tier and wait for the first chunk, so errors become HTTP statuses."""
@@ -186,9 +199,13 @@ class Ingress:
     def _usage(self, last: GenerateChunk, tier: str, reason: str, prompt_class: str) -> Usage:
         price = self.prices.price_usd(tier, last.num_prompt_tokens, last.num_output_tokens)
         self.m_price.inc(price, tags={"tier": tier}) if price > 0 else None
-        if last.acceptance_rate is not None and tier == "speculative":
-            old = self.acceptance_by_class.get(prompt_class, last.acceptance_rate)
-            self.acceptance_by_class[prompt_class] = 0.9 * old + 0.1 * last.acceptance_rate
+        a = last.token_acceptance
+        if a is not None and tier == "speculative":
+            old = self.acceptance_by_class.get(prompt_class, a)
+            self.acceptance_by_class[prompt_class] = 0.9 * old + 0.1 * a
+            self.recent_acceptance.append(a)
+        if tier != "small":
+            self.recent_lengths.append((last.num_prompt_tokens, last.num_output_tokens))
         return Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
                      total_tokens=last.num_prompt_tokens + last.num_output_tokens, tier=tier,
                      reason=reason, price_usd=price, acceptance_rate=last.acceptance_rate,

@@ -39,7 +39,8 @@ class ReplicaStats:
     kv_budget_bytes: int = 0
     kv_used_target_bytes: int = 0
     kv_used_draft_bytes: int = 0
-    acceptance_rate: float | None = None
+    acceptance_rate: float | None = None       # accepted / drafted (the dashboard's)
+    token_acceptance: float | None = None      # the engine's live per-token a
     max_model_len: int = 0
     tp_size: int = 1
     target_kv_bytes_per_token: float = 0.0     # per rank: the target's KV is split over tp_size
@@ -199,12 +200,14 @@ class LiveStats:
 
 
 def to_cluster_stats(snapshots: dict[str, TierSnapshot],
-                     acceptance_by_class: dict[str, float]):
+                     acceptance_by_class: dict[str, float], recent: dict | None = None):
     """The policy's `ClusterStats` from the snapshots: each tier as seen by its next replica.
 
     The router sends a new request to the least-loaded replica, so that replica's batch, KV
     headroom and cost are what the request will meet; the queue adds what this caller holds.
-    Replicas report one acceptance estimate, so every speculating sequence is given it.
+    Acceptance is the per-token a throughout (the engine's live estimate, and per prompt class
+    from finished requests); `recent` adds the spread of a over recently finished speculative
+    requests (`acceptance_samples`) and the recent mean prompt and output lengths.
     """
     import dataclasses
 
@@ -221,11 +224,11 @@ def to_cluster_stats(snapshots: dict[str, TierSnapshot],
         if r.draft_kv_bytes_per_token > 0 and {"target", "draft"} <= set(r.cost_model or {}):
             cost = LinearStepCost.from_dict(r.cost_model)
         by_class = dict(acceptance_by_class)
-        if r.acceptance_rate is not None:
+        if r.token_acceptance is not None:
             for name in PROMPT_CLASSES:
-                by_class.setdefault(name, r.acceptance_rate)
+                by_class.setdefault(name, r.token_acceptance)
         num_spec = min(r.num_speculative, r.num_running)
-        per_seq = r.acceptance_rate if r.acceptance_rate is not None else 0.5
+        per_seq = r.token_acceptance if r.token_acceptance is not None else 0.5
         kv_tok = r.target_kv_bytes_per_token
         values = dict(
             decode_batch_size=r.num_running, num_speculating=num_spec,
@@ -235,7 +238,7 @@ def to_cluster_stats(snapshots: dict[str, TierSnapshot],
             kv_budget_bytes=r.kv_budget_bytes, target_kv_bytes_per_token=kv_tok,
             draft_kv_bytes_per_token=r.draft_kv_bytes_per_token if kind == "target" else 0.0,
             context_tokens=int(r.kv_used_target_bytes / kv_tok) if kv_tok else 0,
-            acceptance_by_class=by_class, cost=cost)
+            acceptance_by_class=by_class, cost=cost, **(recent or {}))
         return TierStats(**{k: v for k, v in values.items() if k in fields})
 
     target = tier(snapshots["target"], "target")

@@ -35,6 +35,7 @@ class GenerateChunk:
     mode: str = "baseline"
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
+    token_acceptance: float | None = None    # per-token a = accepted / (accepted + rejections)
 
 
 class TierError(Exception):

@@ -124,7 +124,7 @@ def test_live_stats_become_policy_stats():
     busy = ReplicaStats("a", time=1, num_running=3, num_waiting=2, kv_budget_bytes=1000,
                         kv_used_target_bytes=400, kv_used_draft_bytes=100, num_speculative=1,
                         target_kv_bytes_per_token=10, draft_kv_bytes_per_token=2,
-                        acceptance_rate=0.8, cost_model={
+                        acceptance_rate=0.5, token_acceptance=0.8, cost_model={
                             "target": {"fixed_s": 1e-3, "per_seq_s": 1e-5, "per_token_s": 1e-6},
                             "draft": {"fixed_s": 1e-4, "per_seq_s": 1e-6, "per_token_s": 1e-7}})
     idle = ReplicaStats("b", time=1, kv_budget_bytes=1000, target_kv_bytes_per_token=10,
@@ -142,7 +142,10 @@ def test_live_stats_become_policy_stats():
     target = to_cluster_stats(snapshots, {}).target
     assert target.decode_batch_size == 3 and target.queue_depth == 2
     assert target.kv_headroom_bytes == 500 and target.context_tokens == 40
-    assert target.acceptance_by_class["chat"] == 0.8
+    assert target.acceptance_by_class["chat"] == 0.8      # the per-token a, not accepted/drafted
+    recent = {"acceptance_samples": (0.4, 0.9), "mean_prompt_tokens": 12.0, "mean_output_tokens": 30.0}
+    target = to_cluster_stats(snapshots, {}, recent).target
+    assert target.acceptance_samples == (0.4, 0.9) and target.mean_output_tokens == 30.0
 
 
 def test_token_auth_is_switched_on_explicitly(tmp_path, monkeypatch):
