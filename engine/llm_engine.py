@@ -176,7 +176,9 @@ class LLMEngine:
             del self.seqs[seq.request_id], self.detok[seq.request_id]
         return RequestOutput(seq.request_id, detok.delta(final), new, final, seq.finish_reason,
                              seq.num_prompt, seq.num_output, seq.mode, seq.acceptance_rate,
-                             seq.mean_acceptance_length, seq.token_acceptance)
+                             seq.mean_acceptance_length, seq.token_acceptance,
+                             len(seq.blocks) * self.pool.block_bytes,
+                             len(seq.draft_blocks) * self.pool.block_bytes)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -20,6 +20,8 @@ class RequestOutput:
     acceptance_rate: float | None = None          # accepted / drafted (DESIGN.md)
     mean_acceptance_length: float | None = None   # 1 + accepted / drafts
     token_acceptance: float | None = None         # a = accepted / (accepted + rejections)
+    kv_target_bytes: int = 0                      # KV this request holds now, target and draft
+    kv_draft_bytes: int = 0
 
 
 @dataclass

@@ -39,6 +39,10 @@ def test_random_arrivals_and_aborts_stay_within_budget(make_engine, hf_target):
             outs.setdefault(o.request_id, []).extend(o.token_ids)
             if o.finished:
                 finals[o.request_id] = o
+                assert o.kv_target_bytes == 0 and o.kv_draft_bytes == 0
+            else:
+                held = engine.seqs[o.request_id]
+                assert o.kv_target_bytes == len(held.blocks) * engine.pool.block_bytes > 0
         after = (engine.scheduler.num_spec_downgrades, engine.scheduler.num_preemptions)
         if after != before:
             events.append(("downgrade" if after[0] > before[0] else "") +
