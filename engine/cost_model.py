@@ -8,8 +8,9 @@ rounds. A cost model answers two questions, both in seconds:
   target_s(num_seqs, num_tokens, context_tokens)  one target forward over num_seqs sequences
       carrying num_tokens query tokens in total and reading context_tokens KV tokens in total;
   draft_s(num_seqs, num_tokens, context_tokens)    one draft forward, same meaning.
-Two implementations: `LinearCost`/`LinearStepCost`, fitted to step times the engine profiles at
-start (cached as JSON), and `RooflineStepCost`, derived from hardware and model presets for
+Three implementations: `TableCost`/`TableStepCost`, step times the engine measures on a grid at
+start (cached as JSON) and interpolates; `LinearCost`/`LinearStepCost`, a linear fit to such
+times; and `RooflineStepCost`, derived from hardware and model presets for
 machines we cannot run on (the simulator's 70B on four GPUs).
 
 `choose_k` picks per-sequence speculation lengths for one step by maximising batch goodput,
@@ -121,6 +122,79 @@ class LinearStepCost:
     @classmethod
     def from_dict(cls, d: dict) -> "LinearStepCost":
         return cls(target=LinearCost(**d["target"]), draft=LinearCost(**d["draft"]))
+
+
+
+
+@dataclass
+class TableCost:
+    """seconds measured on a grid, interpolated: rows by num_seqs, points by tokens per sequence.
+
+    A linear fit cannot hold a step whose cost is flat while the matmuls are bound by reading
+    weights and then grows once they are bound by compute (on the CPU with oneDNN, 1 to 8 query
+    tokens of one sequence cost nearly the same); the table keeps that shape. Between grid
+    points it interpolates linearly; beyond them it extrapolates the last segment.
+    rows: {num_seqs: [(tokens_per_seq, seconds), ...]} with at least one row of two points.
+    """
+
+    rows: dict[int, list[tuple[float, float]]]
+
+    def __post_init__(self) -> None:
+        self.rows = {int(n): sorted((float(q), float(t)) for q, t in pts)
+                     for n, pts in self.rows.items()}
+        self._seqs = sorted(self.rows)
+
+    @staticmethod
+    def _interp(points: list[tuple[float, float]], x: float) -> float:
+        if len(points) == 1:
+            return points[0][1]
+        i = 1
+        while i < len(points) - 1 and points[i][0] < x:
+            i += 1
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+    def __call__(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        if num_seqs <= 0:
+            return 0.0
+        per_seq = num_tokens / num_seqs
+        row = {n: self._interp(self.rows[n], per_seq) for n in self._seqs}
+        return self._interp([(float(n), row[n]) for n in self._seqs], float(num_seqs))
+
+    @classmethod
+    def measure_grid(cls, samples: Sequence[tuple[int, int, int, float]]) -> "TableCost":
+        """From (num_seqs, num_tokens, context_tokens, seconds) samples on a grid."""
+        rows: dict[int, list[tuple[float, float]]] = {}
+        for n, t, _, secs in samples:
+            rows.setdefault(n, []).append((t / n, secs))
+        return cls(rows)
+
+
+@dataclass
+class TableStepCost:
+    """A StepCostModel from two measured tables; the engine caches it as JSON."""
+
+    target: TableCost
+    draft: TableCost | None = None
+
+    def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return self.target(num_seqs, num_tokens, context_tokens)
+
+    def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return self.draft(num_seqs, num_tokens, context_tokens) if self.draft else 0.0
+
+    def to_dict(self) -> dict:
+        return {"kind": "table", "target": {str(n): p for n, p in self.target.rows.items()},
+                "draft": {str(n): p for n, p in self.draft.rows.items()} if self.draft else None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TableStepCost":
+        return cls(TableCost(d["target"]), TableCost(d["draft"]) if d.get("draft") else None)
+
+
+def step_cost_from_dict(d: dict) -> "LinearStepCost | TableStepCost":
+    """Read back either measured cost model from its `to_dict()`."""
+    return TableStepCost.from_dict(d) if d.get("kind") == "table" else LinearStepCost.from_dict(d)
 
 
 # ----------------------------------------------------------------------------- roofline presets

@@ -26,7 +26,8 @@ from models.llama import LlamaForward
 from models.loader import check_compatible, load_model
 
 PRIOR_WEIGHT = 4.0     # pseudo-trials of the engine-wide acceptance behind each sequence's own
-EWMA = 0.05            # weight of one step in the engine-wide acceptance estimate
+EWMA = 0.02            # decay per drafting sequence-step of the engine-wide counts
+PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
 
 
 class LLMEngine:
@@ -62,7 +63,10 @@ class LLMEngine:
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance)
         self.metrics = Metrics()
-        self.global_acceptance = config.prior_acceptance
+        # Engine-wide per-token acceptance a as decayed counts (accepted, trials), pooled: the
+        # mean of per-step ratios would be biased low (k = 2 at a = 0.6 averages 0.48).
+        self._accepted_ewma, self._trials_ewma = config.prior_acceptance, 1.0
+        self._steps_without_draft = 0
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, Detokenizer] = {}
 
@@ -79,11 +83,27 @@ class LLMEngine:
         trials = seq.num_accepted + seq.num_rejections
         return (seq.num_accepted + PRIOR_WEIGHT * self.global_acceptance) / (trials + PRIOR_WEIGHT)
 
+    @property
+    def global_acceptance(self) -> float:
+        return self._accepted_ewma / self._trials_ewma
+
     def _choose_k(self, acceptance: list[float], k_max: list[int], context_tokens: int,
                   extra_tokens: int) -> list[int]:
         if not self.config.adaptive_k:
             return list(k_max)
-        return choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens)
+        ks = choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens)
+        if any(ks):
+            self._steps_without_draft = 0
+            return ks
+        # Exploration: when no one has drafted for a while the estimate is stale (it only moves
+        # with drafting), so one sequence drafts one token to measure acceptance again (one, as
+        # its draft may first have to catch up on its whole context).
+        self._steps_without_draft += 1
+        probe = next((i for i, k in enumerate(k_max) if k > 0), None)
+        if probe is not None and self._steps_without_draft >= PROBE_EVERY:
+            self._steps_without_draft = 0
+            ks[probe] = 1
+        return ks
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -142,7 +162,8 @@ class LLMEngine:
             seq.draft_computed = old_len + min(r.accepted, it.k - 1)
             seq.record_step(it.k, r.accepted)
             trials = r.accepted + (r.accepted < it.k)
-            self.global_acceptance += EWMA * (r.accepted / trials - self.global_acceptance)
+            self._accepted_ewma += EWMA * (r.accepted - self._accepted_ewma)
+            self._trials_ewma += EWMA * (trials - self._trials_ewma)
         self.metrics.record(it.k, r.accepted, len(r.tokens))
         new, reason = self._append_until_stop(seq, r.tokens)
         if reason is not None:

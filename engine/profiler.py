@@ -1,7 +1,7 @@
 """Measuring the step-cost model at engine start, cached per model pair and device.
 
 Owns: timing a few target and draft forwards over batches of different sizes and query lengths,
-fitting `engine.cost_model.LinearStepCost` to them, and caching the fit as JSON (a second start
+keeping them as an interpolated table (`engine.cost_model.TableStepCost`), cached as JSON (a second start
 with the same models, dtype, device and threads reads it back at once). A few seconds on CPU.
 """
 
@@ -18,19 +18,23 @@ from pathlib import Path
 import torch
 
 from engine.attention import SeqSlice
-from engine.cost_model import LinearCost, LinearStepCost
+from engine.cost_model import (LinearCost, LinearStepCost, TableCost, TableStepCost,
+                               step_cost_from_dict)
 from engine.kv_cache import blocks_needed
 
 CONTEXT = 64                      # cached tokens per sequence while timing
-GRID = [(1, 1), (1, 2), (1, 4), (1, 8), (4, 1), (4, 4), (16, 1), (16, 2), (16, 5)]
-REPEATS = 3
+VERSION = 3                       # bump when the forward's speed changes (kernels, layout)
+SEQS = (1, 2, 4, 8, 16, 32)                     # batch sizes timed
+TOKENS_PER_SEQ = (1, 2, 3, 5, 8)                 # query tokens per sequence (1 + k)
+GRID = [(n, q) for n in SEQS for q in TOKENS_PER_SEQ]
+REPEATS = 3                       # timed runs per point (median), after one warm-up
 
 
 def _key(engine) -> str:
     c = engine.config
     parts = [str(Path(c.target).resolve()), str(c.draft and Path(c.draft).resolve()), c.dtype,
              c.device, str(c.num_threads), str(c.tp_size), torch.__version__, platform.processor(),
-             str(os.cpu_count())]
+             str(os.cpu_count()), engine.target_fw.kernel, str(VERSION)]
     for folder in filter(None, [c.target, c.draft]):
         for f in sorted(Path(folder).glob("*.safetensors")):
             parts.append(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}")
@@ -76,17 +80,18 @@ def _time_runner(runner, pool, owner: str, tpb: int, grid) -> list[tuple[int, in
     return samples
 
 
-def profile(engine) -> tuple[LinearStepCost, dict]:
+def profile(engine) -> tuple[TableStepCost, dict]:
     grid = [(n, q) for n, q in GRID if n <= engine.config.max_num_seqs]
     pool = engine.pool
     target = _time_runner(engine.target, pool, "target", pool.target.tokens_per_block, grid)
-    draft_fit = LinearCost(0.0, 0.0, 0.0)
+    if not target:                     # a pool too small to time even one sequence
+        return default_cost(engine), {}
     draft = []
     if engine.draft is not None:
         draft = _time_runner(engine.draft, pool, "draft", pool.draft.tokens_per_block,
                              [(n, q) for n in sorted({n for n, _ in grid}) for q in (1, 2)])
-        draft_fit = LinearCost.fit(draft)
-    cost = LinearStepCost(LinearCost.fit(target), draft_fit)
+    cost = TableStepCost(TableCost.measure_grid(target),
+                         TableCost.measure_grid(draft) if draft else None)
     return cost, {"target_samples": target, "draft_samples": draft}
 
 
@@ -97,13 +102,13 @@ def default_cost(engine) -> LinearStepCost:
     return LinearStepCost(target, LinearCost(1e-2 * ratio, 2e-4 * ratio, 5e-4 * ratio))
 
 
-def load_or_profile(engine) -> LinearStepCost:
+def load_or_profile(engine):
     if not engine.config.profile:
         return default_cost(engine)
     path = _cache_dir(engine) / f"{_key(engine)}.json"
     if path.exists():
         try:
-            return LinearStepCost.from_dict(json.loads(path.read_text())["cost"])
+            return step_cost_from_dict(json.loads(path.read_text())["cost"])
         except (KeyError, ValueError, TypeError):
             pass
     cost, samples = profile(engine)

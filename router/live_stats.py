@@ -211,7 +211,7 @@ def to_cluster_stats(snapshots: dict[str, TierSnapshot],
     """
     import dataclasses
 
-    from engine.cost_model import LinearStepCost
+    from engine.cost_model import step_cost_from_dict
     from router.stats import PROMPT_CLASSES, ClusterStats, TierStats
 
     fields = {f.name for f in dataclasses.fields(TierStats)}
@@ -222,7 +222,7 @@ def to_cluster_stats(snapshots: dict[str, TierSnapshot],
             return TierStats(queue_depth=snapshot.num_queued_here)
         cost = None
         if r.draft_kv_bytes_per_token > 0 and {"target", "draft"} <= set(r.cost_model or {}):
-            cost = LinearStepCost.from_dict(r.cost_model)
+            cost = step_cost_from_dict(r.cost_model)
         by_class = dict(acceptance_by_class)
         if r.token_acceptance is not None:
             for name in PROMPT_CLASSES:
