@@ -26,12 +26,20 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens, batches 1 and 4")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cores))")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the free cores, at most 2)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--k-max", type=int, default=6, help="largest fixed k tried; adaptive's k_max")
     p.add_argument("--batches", default="1,4,16,32")
+
+
+def free_cores(cap: int = 2) -> int:
+    """Cores no other process is busy on (1-minute load), at most `cap`: oversubscribed torch
+    threads stall tenfold on this machine, so a benchmark never asks for more than are free."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cap, cores - int(os.getloadavg()[0] + 0.5)))
 
 
 def _prompts(tokenizer, family: Path, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -128,7 +136,7 @@ def run(args) -> int:
 
     hf_logging.set_verbosity_error()
 
-    threads = args.threads or max(1, min(2, len(os.sched_getaffinity(0))))
+    threads = args.threads or free_cores()
     args.threads = threads
     torch.set_num_threads(threads)
     if args.quick:
