@@ -1,0 +1,292 @@
+"""The project's own demo model family: build it once, reuse it everywhere.
+
+Owns: the presets (sizes, corpus caps, time shares) for CPU, CUDA and tests; the build's stages
+(tokenizer, target, draft distilled from the final target, small) each saved when done so a re-run
+resumes; the cache check (a second build with the same settings does nothing); the family record
+`DIR/family.json`; and where the family lives by default. Does not own: data
+(`models/demo_data.py`), training and evaluation (`models/demo_train.py`), loading (`models/loader.py`).
+
+Layout: `DIR/{target,draft,small}/` are standard `LlamaForCausalLM` folders (config, float32
+safetensors, the shared tokenizer, generation config); `DIR/tokenizer/` keeps the tokenizer alone;
+`DIR/build_state.json` records finished stages; `DIR/family.json` is written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from models.demo_data import CorpusConfig, collect_corpus, encode_files, train_tokenizer
+from models.demo_train import (ModelShape, StagePlan, build_model, draft_from_target, evaluate,
+                               greedy_sample, num_params, train, train_dtype)
+
+RECIPE_VERSION = 1          # bump when a change to the recipe should invalidate built families
+ROLES = ("target", "draft", "small")
+SAMPLE_PROMPT = "def fibonacci(n):"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    corpus: CorpusConfig
+    target: ModelShape
+    draft_layers: tuple[int, ...]   # the draft copies these target layers, then is distilled
+    small: ModelShape
+    seq_len: int
+    batch_size: int
+    lr: float
+    budget_s: float                 # default wall-clock budget of the whole build
+    reserve_s: float                # part of the budget kept for data, evaluation and saving
+    shares: tuple[float, float, float]        # training time of target, draft, small
+    nominal_tokens_per_s: tuple[float, float, float]  # planning speed: steps = time x this / batch
+    eval_tokens: int
+    sample_tokens: int = 48
+
+
+PRESETS = {
+    "tiny": Preset(
+        name="tiny", corpus=CorpusConfig(max_bytes=300_000, tokenizer_bytes=300_000, vocab_size=512,
+                                         held_out_percent=10),
+        target=ModelShape(2, 64, 128, head_dim=32), draft_layers=(0,),
+        small=ModelShape(1, 64, 128, head_dim=32), seq_len=64, batch_size=8, lr=3e-3,
+        budget_s=20, reserve_s=8, shares=(0.5, 0.25, 0.25),
+        nominal_tokens_per_s=(25_000, 25_000, 40_000), eval_tokens=2048, sample_tokens=16),
+    "cpu": Preset(
+        name="cpu", corpus=CorpusConfig(max_bytes=12_000_000, vocab_size=4096),
+        target=ModelShape(4, 256, 688), draft_layers=(0,),
+        small=ModelShape(2, 256, 688), seq_len=256, batch_size=8, lr=3e-3,
+        budget_s=720, reserve_s=45, shares=(0.60, 0.25, 0.15),
+        nominal_tokens_per_s=(5_500, 5_500, 9_000), eval_tokens=20_480),
+    "cuda": Preset(
+        name="cuda", corpus=CorpusConfig(max_bytes=120_000_000, site_packages=True,
+                                         tokenizer_bytes=20_000_000, vocab_size=8192),
+        target=ModelShape(12, 384, 1024), draft_layers=(0, 11),
+        small=ModelShape(6, 256, 688), seq_len=512, batch_size=64, lr=1.5e-3,
+        budget_s=300, reserve_s=75, shares=(0.55, 0.25, 0.20),
+        nominal_tokens_per_s=(520_000, 700_000, 1_050_000), eval_tokens=65_536),
+}
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """What determines the family. `threads` only changes float rounding, so it is not here."""
+    preset: str = "cpu"
+    seed: int = 0
+    budget_s: float | None = None   # None: the preset's
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; use one of {sorted(PRESETS)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
+        if self.budget_s is not None and self.budget_s <= PRESETS[self.preset].reserve_s:
+            raise ValueError(f"budget_s must exceed the preset's reserve of "
+                             f"{PRESETS[self.preset].reserve_s} s")
+
+    @property
+    def resolved_budget_s(self) -> float:
+        return float(self.budget_s if self.budget_s is not None else PRESETS[self.preset].budget_s)
+
+    def record(self) -> dict:
+        return {"preset": asdict(PRESETS[self.preset]), "seed": self.seed,
+                "budget_s": self.resolved_budget_s, "device": self.device,
+                "python": f"{sys.version_info[0]}.{sys.version_info[1]}", "recipe": RECIPE_VERSION}
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_demo_dir() -> Path:
+    """`$SPECSERVE_DEMO_DIR`, else `~/.cache/specserve/demo-family`."""
+    return Path(os.environ.get("SPECSERVE_DEMO_DIR") or "~/.cache/specserve/demo-family").expanduser()
+
+
+def is_complete(out: Path, settings_hash: str | None = None) -> bool:
+    """family.json is there (with `settings_hash`, if given) and every model folder loads."""
+    from models.loader import ModelLoadError, load_family
+
+    try:
+        family = json.loads((out / "family.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if settings_hash is not None and family.get("settings_hash") != settings_hash:
+        return False
+    try:
+        load_family(out / "target", out / "draft", out / "small")
+    except ModelLoadError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def build_lock(out: Path):
+    """One builder per folder: replicas that all call `ensure_demo_family` wait for the first."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def ensure_demo_family(out: str | Path | None = None, budget_s: float | None = None,
+                       device: str = "cpu") -> Path:
+    """The demo family's folder, built first (default settings) only if no complete family is there."""
+    out = Path(out).expanduser() if out is not None else default_demo_dir()
+    if is_complete(out):
+        return out
+    with build_lock(out):
+        if not is_complete(out):
+            preset = "cuda" if device == "cuda" else "cpu"
+            build_demo_family(out, DemoSettings(preset=preset, budget_s=budget_s, device=device))
+    return out
+
+
+def _plan(settings: DemoSettings, role_index: int, seed_offset: int) -> StagePlan:
+    preset = PRESETS[settings.preset]
+    budget = (settings.resolved_budget_s - preset.reserve_s) * preset.shares[role_index]
+    tokens_per_step = preset.batch_size * preset.seq_len
+    steps = max(1, int(budget * preset.nominal_tokens_per_s[role_index] / tokens_per_step))
+    return StagePlan(steps=steps, budget_s=budget, batch_size=preset.batch_size,
+                     seq_len=preset.seq_len, lr=preset.lr, seed=settings.seed * 1000 + seed_offset,
+                     warmup_steps=min(30, max(1, steps // 10)))
+
+
+def _save(model, tokenizer, folder: Path) -> None:
+    """Write a complete checkpoint folder atomically (a half-written one never looks finished)."""
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    for file in staging.iterdir():
+        file.chmod(0o644)
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+
+
+def _load(folder: Path, device: torch.device):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+
+
+class _State:
+    """DIR/build_state.json: the settings hash and the record of each finished stage."""
+
+    def __init__(self, out: Path, settings_hash: str):
+        self.path = out / "build_state.json"
+        try:
+            state = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            state = {}
+        if state.get("settings_hash") != settings_hash:
+            for name in ("tokenizer", *ROLES):       # stale stages from other settings
+                shutil.rmtree(out / name, ignore_errors=True)
+            (out / "family.json").unlink(missing_ok=True)
+            state = {"settings_hash": settings_hash, "stages": {}}
+        self.state = state
+
+    def done(self, stage: str, folder: Path) -> dict | None:
+        return self.state["stages"].get(stage) if folder.is_dir() else None
+
+    def finish(self, stage: str, record: dict) -> None:
+        self.state["stages"][stage] = record
+        self.path.write_text(json.dumps(self.state, indent=1))
+
+
+def build_demo_family(out: str | Path, settings: DemoSettings, threads: int | None = None,
+                      log=print) -> dict:
+    """Run the stages not yet done for these settings; write and return family.json's record."""
+    from transformers import AutoTokenizer
+
+    started = time.monotonic()
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    preset = PRESETS[settings.preset]
+    threads = threads or min(2, os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    device = torch.device(settings.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda requested but torch sees no CUDA device")
+    state = _State(out, settings.hash())
+    log(f"building the demo family in {out} (preset {preset.name}, "
+        f"budget {settings.resolved_budget_s:.0f} s, {threads} threads, {device})")
+
+    t0 = time.monotonic()
+    data_threads = threads if device.type == "cpu" else (os.cpu_count() or 1)
+    os.environ.setdefault("RAYON_NUM_THREADS", str(data_threads))   # tokenizers' thread pool
+    corpus = collect_corpus(preset.corpus)
+    if record := state.done("tokenizer", out / "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    else:
+        tokenizer = train_tokenizer(corpus.train, preset.corpus, data_threads)
+        tokenizer.save_pretrained(out / "tokenizer")
+        state.finish("tokenizer", {"vocab_size": len(tokenizer)})
+    train_stream = encode_files(tokenizer, corpus.train)             # [num_train_tokens]
+    held_stream = encode_files(tokenizer, corpus.held_out)           # [num_held_out_tokens]
+    data_s = time.monotonic() - t0
+    log(f"corpus: {len(corpus.train)} training files ({len(train_stream):,} tokens), "
+        f"{len(corpus.held_out)} held out ({len(held_stream):,} tokens), {data_s:.1f} s")
+
+    models = {}
+    stages = {"target": (0, 1, None), "draft": (1, 2, "target"), "small": (2, 3, None)}
+    for role, (index, seed_offset, teacher) in stages.items():
+        folder = out / role
+        if record := state.done(role, folder):
+            models[role] = _load(folder, device)
+            log(f"{role}: already trained ({record['steps']} steps), loaded")
+            continue
+        plan = _plan(settings, index, seed_offset)
+        if role == "draft":
+            model = draft_from_target(models["target"], list(preset.draft_layers), plan.seed)
+        else:
+            shape = preset.target if role == "target" else preset.small
+            model = build_model(shape, len(tokenizer), plan.seed)
+        record = train(model, train_stream, plan, device, desc=role,
+                       teacher=models[teacher] if teacher else None)
+        if role == "draft":
+            record["init_layers"] = list(preset.draft_layers)
+            record["loss"] = f"KL(target || draft) + {plan.ce_weight} x CE"
+        _save(model, tokenizer, folder)
+        state.finish(role, record)
+        models[role] = model
+        log(f"{role}: {record['steps']} steps, {record['tokens']:,} tokens in {record['seconds']} s "
+            f"({record['tokens_per_s']} tokens/s), train loss {record['train_loss']}")
+
+    t0 = time.monotonic()
+    metrics = evaluate(models, held_stream, preset.eval_tokens, preset.seq_len, device)
+    sample = greedy_sample(models["target"], tokenizer, SAMPLE_PROMPT, preset.sample_tokens, device)
+    eval_s = time.monotonic() - t0
+    family = {
+        "name": "specserve-demo", "settings_hash": settings.hash(), "settings": settings.record(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": threads, "train_dtype": train_dtype(device),
+        "torch": torch.__version__,
+        "corpus": {"roots": corpus.roots, "train_files": len(corpus.train),
+                   "held_out_files": len(corpus.held_out), "train_bytes": corpus.train_bytes,
+                   "held_out_bytes": corpus.held_out_bytes, "train_tokens": len(train_stream),
+                   "held_out_tokens": len(held_stream)},
+        "vocab_size": len(tokenizer),
+        "shapes": {"target": preset.target.as_list(),
+                   "draft": [len(preset.draft_layers), *preset.target.as_list()[1:]],
+                   "small": preset.small.as_list()},
+        "params": {role: num_params(model) for role, model in models.items()},
+        **{role: state.state["stages"][role] for role in ROLES},
+        "eval": metrics,
+        "sample": {"prompt": SAMPLE_PROMPT, "greedy": sample},
+        "seconds": {"data": round(data_s, 1), "eval": round(eval_s, 1),
+                    **{role: state.state["stages"][role]["seconds"] for role in ROLES}},
+        "total_s": round(time.monotonic() - started, 1),
+    }
+    (out / "family.json").write_text(json.dumps(family, indent=1))
+    return family
