@@ -91,7 +91,9 @@ class LLMEngine:
                   extra_tokens: int) -> list[int]:
         if not self.config.adaptive_k:
             return list(k_max)
-        ks = choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens)
+        # Pure goodput (DESIGN.md: "k per step maximises goodput"); the latency guard
+        # (max_slowdown) is the router's business, which keeps slow-accepting requests baseline.
+        ks = choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens, max_slowdown=None)
         if any(ks):
             self._steps_without_draft = 0
             return ks
