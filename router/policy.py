@@ -6,8 +6,8 @@ in and out (`decision.state` is the state for the next call); there are no globa
 Imports neither torch nor Ray; knows nothing about HTTP, replicas or how stats are gathered.
 
 Rules, first match wins (reasons are machine-readable and returned to the caller):
+  plan economy           -> small      plan_economy      (never speculates, so `off` holds)
   speculation=off        -> baseline   speculation_off   (always honoured)
-  plan economy           -> small      plan_economy
   premium / speculation=on -> speculative plan_premium | speculation_on, unless the target
                            has no draft (no_draft) or too little KV headroom (kv_headroom)
   queue deep (hysteresis)-> small if the caller allows a downgrade, else baseline   queue_deep
@@ -89,10 +89,10 @@ class Decision:
 
 def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
                 config: PolicyConfig = PolicyConfig()) -> Decision:
+    if request.plan == "economy":       # the small tier never speculates: `off` holds there too
+        return Decision("small", 0, "plan_economy", state)
     if request.speculation == "off":
         return Decision("baseline", 0, "speculation_off", state)
-    if request.plan == "economy":
-        return Decision("small", 0, "plan_economy", state)
     target = stats.target
     if request.plan == "premium" or request.speculation == "on":
         blocked = _speculation_blocked(request, target, config)
