@@ -7,10 +7,12 @@ Does not own: threads or asyncio (`engine/async_engine.py`), nor anything about 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.config import EngineConfig
-from engine.cost_model import choose_k
+from engine.cost_model import choose_k, step_s
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError
 from engine.kv_cache import BlockPool
@@ -28,6 +30,23 @@ from models.loader import check_compatible, load_model
 PRIOR_WEIGHT = 4.0     # pseudo-trials of the engine-wide acceptance behind each sequence's own
 EWMA = 0.02            # decay per drafting sequence-step of the engine-wide counts
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
+OVERHEAD_EWMA = 0.1    # weight of one decode step in the per-sequence overhead estimate
+
+
+class CalibratedCost:
+    """The profiled step-cost table plus the per-sequence overhead measured while serving."""
+
+    def __init__(self, base):
+        self.base, self.per_seq_s = base, 0.0
+
+    def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return self.base.target_s(num_seqs, num_tokens, context_tokens) + self.per_seq_s * num_seqs
+
+    def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return self.base.draft_s(num_seqs, num_tokens, context_tokens)
+
+    def to_dict(self) -> dict:
+        return self.base.to_dict()
 
 
 class LLMEngine:
@@ -59,7 +78,7 @@ class LLMEngine:
         self.draft = (ModelRunner(self.draft_fw, pool.view(pool.draft), pool.evenly_strided(pool.draft))
                       if self.draft_fw else None)
         self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
-        self.cost = self._cost_model()
+        self.cost = CalibratedCost(self._cost_model())
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance)
         self.metrics = Metrics()
@@ -141,6 +160,7 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         items = self.scheduler.schedule()
         if not items:
             return []
@@ -151,7 +171,23 @@ class LLMEngine:
             out = self._apply(r)
             if out is not None:
                 outputs.append(out)
+        self._calibrate(items, time.perf_counter() - start)
         return outputs
+
+    def _calibrate(self, items, seconds: float) -> None:
+        """Learn what a decode step costs beyond the profiled forwards, per sequence.
+
+        The profile times bare forwards at a short context; a real step also schedules, samples,
+        detokenizes and attends over longer contexts, which costs per sequence whatever k is.
+        Leaving it out makes drafting look dearer than it is at large batches.
+        """
+        if any(it.num_feed != 1 for it in items):      # decode steps only: prefill is noise here
+            return
+        ks = [it.k for it in items]
+        context = sum(len(it.seq.token_ids) for it in items)
+        predicted = step_s(ks, self.cost.base, context)
+        residual = max(0.0, seconds - predicted) / len(items)
+        self.cost.per_seq_s += OVERHEAD_EWMA * (residual - self.cost.per_seq_s)
 
     def _apply(self, r: StepResult) -> RequestOutput | None:
         seq, it = r.item.seq, r.item
