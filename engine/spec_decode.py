@@ -73,7 +73,7 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
     drafted = {}
     draft_ids, draft_q = torch.empty(0, dtype=torch.long, device=target.device), None
     if spec:
-        spec_rows = [sampling.index(it) for it in spec]
+        spec_rows = [i for i, it in enumerate(sampling) if it.k > 0]
         lists, draft_ids, draft_q = propose(draft, spec, rp.select(torch.tensor(spec_rows)), greedy)
         drafted = {id(it): d for it, d in zip(spec, lists)}
 

@@ -56,10 +56,13 @@ class LlamaShape:
                    vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps)
 
 
-def _split(weight: torch.Tensor, style: str, rank: int, world: int, dim_rows: int) -> torch.Tensor:
+def _split(weight: torch.Tensor, style: str, rank: int, world: int) -> torch.Tensor:
     """Take this rank's part of a weight: 'colwise' splits output rows, 'rowwise' input columns."""
     if world == 1:
         return weight
+    if style not in ("colwise", "rowwise"):
+        raise ValueError(f"tensor parallelism needs a colwise/rowwise plan for every projection; "
+                         f"transformers' base_model_tp_plan gives {style!r}")
     dim = 0 if style == "colwise" else 1
     return weight.chunk(world, dim=dim)[rank].contiguous()
 
@@ -102,13 +105,10 @@ class LlamaLayerWeights:
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
 
         def part(module, name):
-            return _split(module.weight.data, style[name], rank, world, 0)
+            return _split(module.weight.data, style[name], rank, world)
 
-        def part_bias(module, name):
-            if module.bias is None:
-                return None
-            return module.bias.data if style[name] == "rowwise" else _split(
-                module.bias.data, style[name], rank, world, 0)
+        def part_bias(module, name):     # q, k, v biases follow their column-parallel rows
+            return None if module.bias is None else _split(module.bias.data, style[name], rank, world)
 
         self.input_norm = layer.input_layernorm.weight.data
         self.post_norm = layer.post_attention_layernorm.weight.data
