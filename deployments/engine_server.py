@@ -178,7 +178,10 @@ class EngineServer:
                                 num_output_tokens=out.num_output_tokens, mode=_value(out.mode),
                                 acceptance_rate=out.acceptance_rate,
                                 mean_acceptance_length=out.mean_acceptance_length,
-                                token_acceptance=out.token_acceptance)
+                                token_acceptance=out.token_acceptance,
+                                num_speculative_tokens=out.num_speculative_tokens,
+                                num_draft_tokens=out.num_draft_tokens,
+                                num_accepted_tokens=out.num_accepted_tokens)
         except prompt_too_long as exc:
             raise TierError(400, str(exc), code="context_length_exceeded",
                             param="messages" if req.messages is not None else "prompt") from None
