@@ -30,14 +30,14 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from router import policy
+from router import admin, policy
+from router.accounting import Accounting
 from router.config import AppConfig
-from router.keys import KeyStore
 from router.live_stats import LiveStats, to_cluster_stats
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
                                   Usage, chat_body, chat_chunk, completion_body, completion_chunk,
                                   error_body, new_id)
-from router.pricing import PriceTable, effective_plan, plan_covers
+from router.pricing import PriceTable, check_speculation, effective_plan, plan_covers
 from router.wire import GenerateChunk, GenerateRequest, find_tier_error
 
 logger = logging.getLogger("ray.serve")
@@ -82,7 +82,8 @@ async def _chain(first, stream):
 class Ingress:
     def __init__(self, config: dict, target_handle, small_handle=None):
         self.cfg = AppConfig.model_validate(config)
-        self.keys = KeyStore.from_config(self.cfg.auth)
+        self.accounts = Accounting(self.cfg)     # live keys, rate limits, prices, ledger
+        self.keys = self.accounts.keys
         self.prices = PriceTable.from_config(self.cfg.prices)
         self.handles = {"target": target_handle}
         if small_handle is not None:
@@ -99,15 +100,18 @@ class Ingress:
         self.m_requests = metrics.Counter("specserve_requests", tag_keys=("status", "tier", "api"),
                                           description="Finished HTTP requests by status code.")
         self.m_price = metrics.Counter("specserve_price_usd", tag_keys=("tier",),
-                                       description="USD charged, by tier.")
+                                       description="USD charged, by the router's tier.")
+        self.m_billed = metrics.Counter("specserve_billed_tokens", tag_keys=("tier",),
+                                        description="Completion tokens billed, by the price "
+                                                    "they were billed at (what ran).")
         try:
             self.live.start()
         except RuntimeError:    # no running loop here: the first health check or request starts it
             pass
 
     # -- plumbing -----------------------------------------------------------------------------
-    def _auth(self, request: Request) -> str:
-        """The plan this request runs under; raises 401 / 403."""
+    def _auth(self, request: Request) -> tuple[str, object]:
+        """The plan this request runs under and the key record; raises 401 / 403."""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else ""
         endpoint = _endpoint_plan(request)
@@ -115,14 +119,17 @@ class Ingress:
             if self.cfg.auth.require_key:
                 raise HTTPError(401, "missing API key: send 'Authorization: Bearer <key>' "
                                 "(create one with `specserve keys add`)", "missing_api_key")
-            return effective_plan(self.cfg.auth.default_plan, endpoint)
+            return effective_plan(self.cfg.auth.default_plan, endpoint), None
         record = self.keys.lookup(key)
         if record is None:
             raise HTTPError(401, "invalid API key", "invalid_api_key")
+        if record.role == "admin":
+            raise HTTPError(403, "admin keys manage keys (/admin/keys); they do not call models",
+                            "admin_key")
         if not plan_covers(record.plan, endpoint):
             raise HTTPError(403, f"the key's plan '{record.plan}' does not cover the "
                             f"/{endpoint}/v1 endpoint", "plan_not_allowed")
-        return effective_plan(record.plan, endpoint)
+        return effective_plan(record.plan, endpoint), record
 
     async def _body(self, request: Request, model_cls):
         try:
@@ -196,9 +203,11 @@ class Ingress:
                             tier_error.param, headers) from None
         return first, stream
 
-    def _usage(self, last: GenerateChunk, tier: str, reason: str, prompt_class: str) -> Usage:
-        price = self.prices.price_usd(tier, last.num_prompt_tokens, last.num_output_tokens)
-        self.m_price.inc(price, tags={"tier": tier}) if price > 0 else None
+    async def _usage(self, last: GenerateChunk, charge, prompt_class: str) -> Usage:
+        """Price what ran, spool the ledger record (fsync), feed the policy's live stats."""
+        usage = await self.accounts.finish_async(charge, last, "ok", 200)
+        self._count_revenue(usage)
+        tier = charge.tier
         a = last.token_acceptance
         if a is not None and tier == "speculative":
             old = self.acceptance_by_class.get(prompt_class, a)
@@ -206,18 +215,30 @@ class Ingress:
             self.recent_acceptance.append(a)
         if tier != "small":
             self.recent_lengths.append((last.num_prompt_tokens, last.num_output_tokens))
-        return Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
-                     total_tokens=last.num_prompt_tokens + last.num_output_tokens, tier=tier,
-                     reason=reason, price_usd=price, acceptance_rate=last.acceptance_rate,
-                     mean_acceptance_length=last.mean_acceptance_length)
+        return usage
+
+    def _count_revenue(self, usage) -> None:
+        if usage.price_micro_usd > 0:
+            self.m_price.inc(usage.price_usd, tags={"tier": usage.tier})
+        for tier, n in ((("small", usage.baseline_tokens),) if usage.tier == "small" else
+                        (("speculative", usage.speculative_tokens),
+                         ("baseline", usage.baseline_tokens))):
+            if n:
+                self.m_billed.inc(n, tags={"tier": tier})
+
+    def _end(self, charge, last, status: str, http_status: int, error: str | None = None):
+        """A request that did not finish normally: its partial usage goes to the ledger."""
+        if charge is not None and not charge.done:
+            self._count_revenue(self.accounts.finish(charge, last, status, http_status, error))
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         api = "chat" if chat else "completions"
-        tier = "none"
+        tier, charge = "none", None
         self.live.start()
         try:
-            plan = self._auth(request)
+            plan, key = self._auth(request)
             body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
+            check_speculation(plan, body.speculation)
             sampling = body.sampling_kwargs(self.cfg.limits.max_tokens_default)
             if chat:
                 messages = body.plain_messages()
@@ -229,6 +250,8 @@ class Ingress:
             tier, k_max, reason, prompt_class = self._decide(plan, body, text, prompt_len,
                                                              sampling["max_tokens"])
             request_id = new_id("chatcmpl" if chat else "cmpl")
+            charge = await self.accounts.admit(request_id, key, plan, _endpoint_plan(request), api,
+                                               tier, reason, prompt_len + sampling["max_tokens"])
             gen_req = GenerateRequest(
                 request_id=request_id, tier=tier, k_max=k_max, sampling=sampling,
                 mode="speculative" if tier == "speculative" else "baseline",
@@ -237,17 +260,19 @@ class Ingress:
                 prompt_token_ids=body.prompt if not chat and isinstance(body.prompt, list) else None)
             first, stream = await self._start(gen_req)
         except HTTPError as err:
+            self._end(charge, None, "error", err.status, err.message)
             self.m_requests.inc(tags={"status": str(err.status), "tier": tier, "api": api})
             return err.response()
         except Exception as exc:
             logger.exception("request failed")
+            self._end(charge, None, "error", 500, f"{type(exc).__name__}: {exc}")
             self.m_requests.inc(tags={"status": "500", "tier": tier, "api": api})
             return HTTPError(500, f"internal error: {type(exc).__name__}: {exc}",
                              "internal_error").response()
-        headers = {"x-specserve-tier": tier, "x-specserve-reason": reason}
+        headers = {"x-specserve-tier": tier, "x-specserve-reason": reason, **charge.headers}
         ids = body.return_token_ids
         if body.stream:
-            events = self._sse(first, stream, chat, body.model, request_id, tier, reason,
+            events = self._sse(first, stream, chat, body.model, request_id, charge,
                                prompt_class, ids, api)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         parts, token_ids, last = [], [], first
@@ -256,28 +281,37 @@ class Ingress:
                 parts.append(chunk.text)
                 token_ids += chunk.token_ids
                 last = chunk
+        except asyncio.CancelledError:
+            self._end(charge, last, "client_gone", 499)     # what it ran so far is billed
+            raise
         except Exception as exc:
             err = find_tier_error(exc)
             status = err.status if err else 503
+            self._end(charge, last, "error", status, err.message if err else str(exc))
             self.m_requests.inc(tags={"status": str(status), "tier": tier, "api": api})
             return HTTPError(status, err.message if err else f"generation failed: {exc}").response()
         finally:
             stream.cancel()     # no-op when exhausted; aborts the sequence if we are cancelled
-        usage = self._usage(last, tier, reason, prompt_class)
+        try:
+            usage = await self._usage(last, charge, prompt_class)
+        except asyncio.CancelledError:
+            self._end(charge, last, "client_gone", 499)
+            raise
         make = chat_body if chat else completion_body
         self.m_requests.inc(tags={"status": "200", "tier": tier, "api": api})
         return JSONResponse(make(request_id, body.model, "".join(parts), last.finish_reason, usage,
                                  token_ids if ids else None), headers=headers)
 
-    async def _sse(self, first, stream, chat, model, request_id, tier, reason, prompt_class,
+    async def _sse(self, first, stream, chat, model, request_id, charge, prompt_class,
                    return_ids, api):
-        status = "200"
+        status, tier, last = "200", charge.tier, first
         try:
             is_first = True
             async for chunk in _chain(first, stream):
+                last = chunk
                 if not (chunk.text or chunk.finished or is_first or (return_ids and chunk.token_ids)):
                     continue            # nothing to say yet (the detokenizer holds bytes back)
-                usage = self._usage(chunk, tier, reason, prompt_class) if chunk.finished else None
+                usage = await self._usage(chunk, charge, prompt_class) if chunk.finished else None
                 ids = chunk.token_ids if return_ids else None
                 if chat:
                     data = chat_chunk(request_id, model, chunk.text, chunk.finish_reason, usage,
@@ -301,6 +335,9 @@ class Ingress:
             yield f"data: {json.dumps(body)}\n\n"
         finally:
             stream.cancel()         # Serve cancels the replica's generator -> engine.abort
+            if status == "200" and not charge.done:
+                status = "499"      # closed by the server side without a cancel: client gone
+            self._end(charge, last, "client_gone" if status == "499" else "error", int(status))
             self.m_requests.inc(tags={"status": status, "tier": tier, "api": api})
 
     # -- routes -------------------------------------------------------------------------------
@@ -324,15 +361,21 @@ class Ingress:
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
         self.live.start()
         tiers = {kind: {"replicas": len(s.replicas), "running": s.num_running,
                         "waiting": s.num_waiting, "kv_headroom": round(s.kv_headroom, 4),
                         "replica_ids": [r.replica_id for r in s.replicas]}
                  for kind, s in self.live.snapshots().items()}
         ready = all(t["replicas"] > 0 for t in tiers.values())
-        return JSONResponse({"status": "ok" if ready else "starting", "tiers": tiers},
-                            status_code=200 if ready else 503)
+        body = {"status": "ok" if ready else "starting"}
+        if admin.is_admin(self.keys, request):      # details (replica ids, load): admins only
+            body["tiers"] = tiers
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.api_route("/admin/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def admin_routes(self, request: Request, path: str) -> Response:
+        return await admin.handle(self.accounts, request, path)
 
     async def check_health(self) -> None:
         self.live.start()     # the first health check runs on the replica's loop: start polling
