@@ -73,12 +73,15 @@ class Accounting:
     # -- admission ----------------------------------------------------------------------------
     async def admit(self, request_id: str, key: KeyRecord | None, plan: str, endpoint: str,
                     api: str, tier: str, reason: str, tokens: int) -> Charge:
-        """Count the request against its key's limits; raises a 429 `HTTPError` when over."""
+        """Count the request against its key's limits (those of the key's own plan, whatever
+        endpoint it calls); raises a 429 `HTTPError` when over."""
         now = time.time()
         key_id = key.id if key is not None else "anonymous"
         reserved, headers = None, {}
-        if self.limiter.limited(plan):
-            admission = await asyncio.to_thread(self.limiter.admit, key_id, plan, tokens, now)
+        limit_plan = key.plan if key is not None else plan   # the subscription's limits
+        if self.limiter.limited(limit_plan):
+            admission = await asyncio.to_thread(self.limiter.admit, key_id, limit_plan, tokens,
+                                                now)
             if not admission.allowed:
                 raise HTTPError(429, admission.message, admission.code, headers=admission.headers)
             reserved, headers = admission.reserved_tokens, admission.headers
