@@ -104,6 +104,8 @@ class Ingress:
         self.m_billed = metrics.Counter("specserve_billed_tokens", tag_keys=("tier",),
                                         description="Completion tokens billed, by the price "
                                                     "they were billed at (what ran).")
+        self.m_completion = metrics.Counter("specserve_completion_tokens", tag_keys=("tier",),
+                                            description="Completion tokens, by the router's tier.")
         try:
             self.live.start()
         except RuntimeError:    # no running loop here: the first health check or request starts it
@@ -220,6 +222,8 @@ class Ingress:
     def _count_revenue(self, usage) -> None:
         if usage.price_micro_usd > 0:
             self.m_price.inc(usage.price_usd, tags={"tier": usage.tier})
+        if usage.completion_tokens:
+            self.m_completion.inc(usage.completion_tokens, tags={"tier": usage.tier})
         for tier, n in ((("small", usage.baseline_tokens),) if usage.tier == "small" else
                         (("speculative", usage.speculative_tokens),
                          ("baseline", usage.baseline_tokens))):

@@ -190,6 +190,15 @@ def test_ledger_totals_equal_the_responses_over_200_mixed_requests(app):
     assert tiers == {"speculative", "baseline", "small"}
     assert sum(u["speculative_tokens"] for u in responses.values()) > 0
     assert {r.plan for r in records.values()} == {"premium", "standard", "economy", "auto"}
+    # `specserve usage` over the same ledger: its totals are these sums too.
+    from cluster.usage import render_table, report, totals
+
+    rows = report(_db(app))
+    mixed = [r for r in rows if r["key_name"].startswith("test-")]
+    assert totals(mixed)["requests"] == 200 and totals(mixed)["micro_usd"] == sum(
+        u["price_micro_usd"] for u in responses.values())
+    assert totals(mixed)["spec_tok"] == sum(u["speculative_tokens"] for u in responses.values())
+    print("\n$ specserve usage --db " + app.ledger_url + "\n" + render_table(rows))
 
 
 def test_a_disconnected_stream_is_billed_for_what_it_ran(app):
