@@ -94,8 +94,12 @@ class Spool:
 
     def _open(self) -> int:
         if self._fd is None:
-            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # "alive" marker for other drainers
+            # Locked before it is visible under the live name: a drainer that finds a
+            # `spool-*.jsonl` it can lock knows its owner is dead.
+            fresh = self._path.with_name(self._path.name + ".new")
+            fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(fresh, self._path)
             _fsync_dir(self.folder)
             self._fd = fd
         return self._fd
@@ -114,9 +118,11 @@ class Spool:
                 return None
             self._rotations += 1
             aside = self._path.with_name(f"{self._path.stem}.{self._rotations}.draining")
-            os.rename(self._path, aside)        # still locked by us: nobody claims it meanwhile
-            os.close(self._fd)
-            self._fd = None
+            try:
+                os.rename(self._path, aside)    # still locked by us: nobody claims it meanwhile
+            finally:
+                os.close(self._fd)
+                self._fd = None
             return aside
 
     def claimable(self) -> list[Path]:
@@ -186,8 +192,11 @@ class Ledger:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return 0                # a live owner, or another drainer has it
-            if not path.exists():
-                return 0
+            try:
+                if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                    return 0            # renamed meanwhile: the name is another file now
+            except FileNotFoundError:
+                return 0                # another drainer finished it
             if path.suffix == ".jsonl":     # a dead process's live file: claim it
                 claimed = path.with_name(path.stem + ".orphan.draining")
                 os.rename(path, claimed)

@@ -106,7 +106,7 @@ def test_a_torn_last_line_is_skipped_and_the_rest_kept(db_url, tmp_path):
 
 
 def _replica(db_url, spool_dir, start, n, out):
-    ledger = Ledger(Database(db_url), spool_dir, drain_period_s=0.01).start()
+    ledger = Ledger(Database(db_url), spool_dir, drain_period_s=0.001).start()
     for i in range(start, start + n):
         ledger.record(make_record(i))
     ledger.stop()
@@ -133,3 +133,41 @@ def test_sqlite_runs_in_wal_mode(tmp_path):
     db.query("SELECT 1")
     with contextlib.closing(sqlite3.connect(tmp_path / "l.db")) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def _rotate_forever(spool_dir, n, done):
+    from router.ledger import Spool
+
+    spool = Spool(spool_dir)
+    for i in range(n):
+        spool.append(make_record(i))
+        spool.rotate()
+    done.set()
+
+
+def test_a_live_spool_is_never_seen_unlocked(tmp_path):
+    """The invariant that lets a drainer claim orphans: while its owner lives, a file under a
+    live spool name (`spool-*.jsonl`) is always locked, even while the owner rotates it."""
+    import fcntl
+
+    ctx = mp.get_context("fork")
+    done = ctx.Event()
+    writer = ctx.Process(target=_rotate_forever, args=(str(tmp_path), 500, done))
+    writer.start()
+    stolen = 0
+    while writer.is_alive() and not done.is_set():
+        for path in tmp_path.glob("spool-*.jsonl"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.stat(path).st_ino == os.fstat(fd).st_ino and writer.is_alive():
+                    stolen += 1
+            except (BlockingIOError, FileNotFoundError):
+                pass
+            finally:
+                os.close(fd)
+    writer.join(30)
+    assert stolen == 0 and writer.exitcode == 0     # (a stolen lock also makes the owner fail)
