@@ -11,7 +11,7 @@ from router.ledger import Ledger
 from router.ratelimit import RateLimiter, minute_window, month_window
 from router.store import Database
 
-from test_ledger import make_record
+from ledger_helpers import make_record
 
 NOW = 1_699_999_990.0     # 10 s into the minute window that starts at 1_699_999_980
 
