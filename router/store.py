@@ -51,7 +51,11 @@ class Database:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         elif parsed.scheme in ("postgresql", "postgres"):
             self.kind = "postgres"
-            import psycopg  # noqa: F401  (a clear ImportError now rather than at first use)
+            try:
+                import psycopg  # noqa: F401  (a clear error now rather than at first use)
+            except ImportError as exc:
+                raise ImportError("the ledger URL is PostgreSQL: install the driver with "
+                                  "pip install 'specserve[postgres]' (psycopg)") from exc
         else:
             raise ValueError(f"unknown database URL {url!r}: use sqlite:///PATH or postgresql://...")
         self.durable = durable
