@@ -34,6 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--app", default="specserve", help="Serve application name")
     p.add_argument("--family", default=None, help="start a local cluster on this family instead")
     p.add_argument("--num-cpus", type=int, default=4, help="Ray CPUs of the local cluster")
+    p.add_argument("--kv-budget-mb", type=int, default=256, help="KV budget per local replica")
     p.add_argument("--duration", type=float, default=60.0, help="overload seconds")
     p.add_argument("--factor", type=float, default=4.0, help="offered rate / measured capacity")
     p.add_argument("--capacity-s", type=float, default=10.0, help="capacity measurement seconds")
@@ -231,7 +232,7 @@ def print_report(report: dict) -> None:
         print(f"  {name:28s} {value}")
 
 
-def _local_family_app(family: str, num_cpus: int):
+def _local_family_app(family: str, num_cpus: int, kv_budget_mb: int):
     """Start Ray + the app on a family folder; returns (url, key, model, stop)."""
     from pathlib import Path
 
@@ -244,11 +245,12 @@ def _local_family_app(family: str, num_cpus: int):
 
     root = Path(family).expanduser()
     key, record = make_record("bench-overload", "auto")
+    tier = {"kv_budget_bytes": kv_budget_mb << 20, "num_cpus_per_rank": 0.5}
     cfg = {"model_name": "bench", "target": {"model": str(root / "target"),
-                                             "draft": str(root / "draft")},
+                                             "draft": str(root / "draft"), **tier},
            "auth": {"keys": [{"name": record.name, "plan": "auto", "sha256": record.sha256}]}}
     if (root / "small").is_dir():
-        cfg["small"] = {"model": str(root / "small")}
+        cfg["small"] = {"model": str(root / "small"), **tier}
     local = ray_local.start(num_cpus=num_cpus, http_port=ray_local.free_port(), dashboard=False)
     serve.run(build_app(AppConfig.model_validate(cfg)), name="specserve", route_prefix="/")
     launch_up._wait_healthy(local.api_url)
@@ -260,7 +262,8 @@ def run(args) -> int:
 
     stop = None
     if args.family:
-        url, key, model, stop = _local_family_app(args.family, args.num_cpus)
+        url, key, model, stop = _local_family_app(args.family, args.num_cpus,
+                                                   args.kv_budget_mb)
         app = "specserve"
     else:
         if not (args.url and args.key):
