@@ -242,3 +242,26 @@ def test_bench_overload_loses_nothing(app):
     assert set(report["kv_in_use_after"]) == {"TargetServer", "SmallServer"}
     assert not any(report["kv_in_use_after"].values()), report
     assert not any(report["running_after"].values()) and not any(report["replica_restarts"].values())
+
+
+def test_a_stream_cut_by_a_replica_failure_ends_with_an_error_event(app):
+    """Kill the small replica's process mid-stream: the client gets an error event in OpenAI's
+    shape (with a code, no exception text), then `[DONE]`. Runs last: Serve replaces it."""
+    import os
+    import signal
+
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    with app.client("economy") as client, client.stream("POST", "/economy/v1/completions",
+                                                        json=body) as stream:
+        lines = stream.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                break
+        os.kill(app.handle("SmallServer").stats.remote().result(timeout_s=30)["pid"],
+                signal.SIGKILL)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert set(error) == {"message", "type", "code", "param"} and error["code"] == "replica_failed"
+    assert "Error" not in error["message"] and "Traceback" not in error["message"], error
