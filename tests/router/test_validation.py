@@ -33,6 +33,7 @@ def refused(model_cls, body: dict, status: int = 400) -> HTTPError:
     ("max_tokens", 5.5), ("temperature", "0.5"), ("temperature", True), ("top_k", 2.5),
     ("top_k", True), ("seed", "1"), ("ignore_eos", "false"), ("return_token_ids", 0),
     ("allow_downgrade", "true"), ("model", 7), ("stop", 3), ("stop", [1]),
+    ("stream_options", {"include_usage": "yes"}), ("user", 5),
 ])
 def test_no_coercion(field, value):
     err = refused(CompletionRequest, {**OK, field: value})
