@@ -7,6 +7,7 @@ Does not own: threads or asyncio (`engine/async_engine.py`), nor anything about 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -27,8 +28,11 @@ from engine.spec_decode import StepResult, step
 from models.llama import LlamaForward
 from models.loader import check_compatible, load_model
 
+logger = logging.getLogger(__name__)
+
 PRIOR_WEIGHT = 4.0     # pseudo-trials of the engine-wide acceptance behind each sequence's own
 EWMA = 0.02            # decay per drafting sequence-step of the engine-wide counts
+DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
 OVERHEAD_EWMA = 0.1    # weight of one decode step in the per-sequence overhead estimate
 
@@ -129,10 +133,14 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     options: RequestOptions | None = None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise ValueError("prompt token ids must be integers")
         if len(prompt_ids) + 1 > self.max_model_len:
             raise PromptTooLongError(len(prompt_ids), self.max_model_len - 1)
         if not self.scheduler.fits_ever(len(prompt_ids) + 1):
@@ -160,18 +168,52 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One batched step. A fault inside it fails only the requests of this step (each gets
+        a final output with `error`); the engine goes on serving the others."""
         start = time.perf_counter()
         items = self.scheduler.schedule()
+        # Sequences that outgrew the whole KV pool end with `length` and a final output.
+        outputs = [self._output(seq, [], final=True) for seq in self.scheduler.take_truncated()]
         if not items:
-            return []
-        results = step(items, self.target, self.draft)
+            return outputs
+        try:
+            results = step(items, self.target, self.draft)
+        except Exception as exc:
+            return outputs + self._fail([it.seq for it in items], exc)
         self.metrics.data.num_steps += 1
-        outputs = []
+        draft_errors = [r for r in results if r.draft_error is not None]
+        if draft_errors:
+            self.metrics.data.num_draft_failures += 1
+            logger.error("the draft failed; requests %s continue in baseline mode",
+                         [r.item.seq.request_id for r in draft_errors],
+                         exc_info=draft_errors[0].draft_error)
         for r in results:
-            out = self._apply(r)
+            try:
+                out = self._apply(r)
+            except Exception as exc:
+                outputs += self._fail([r.item.seq], exc)
+                continue
             if out is not None:
                 outputs.append(out)
         self._calibrate(items, time.perf_counter() - start)
+        return outputs
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
+        """End these requests with an error (their KV freed); logged with their ids."""
+        ids = [s.request_id for s in seqs if s.request_id in self.seqs]
+        logger.error("engine step failed for requests %s", ids, exc_info=exc)
+        self.metrics.data.num_failed_steps += 1
+        message = (f"the engine failed while running this request ({type(exc).__name__}); "
+                   f"it was stopped")
+        outputs = []
+        for seq in seqs:
+            if seq.request_id not in self.seqs:
+                continue
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            del self.seqs[seq.request_id], self.detok[seq.request_id]
+            outputs.append(RequestOutput(seq.request_id, "", [], True, FinishReason.ERROR,
+                                         seq.num_prompt, seq.num_output, seq.mode,
+                                         error=message))
         return outputs
 
     def _calibrate(self, items, seconds: float) -> None:
@@ -191,6 +233,9 @@ class LLMEngine:
 
     def _apply(self, r: StepResult) -> RequestOutput | None:
         seq, it = r.item.seq, r.item
+        if r.draft_error is not None:         # continue on the target alone, draft KV freed
+            self.scheduler.drop_speculation(seq)
+            seq.reason = DRAFT_UNAVAILABLE
         if not r.tokens:                      # a prefill chunk: KV written, nothing sampled
             seq.num_computed += it.num_feed
             return None
@@ -237,7 +282,7 @@ class LLMEngine:
                              seq.num_prompt, seq.num_output, seq.mode, seq.acceptance_rate,
                              seq.mean_acceptance_length, seq.token_acceptance,
                              len(seq.blocks) * self.pool.block_bytes,
-                             len(seq.draft_blocks) * self.pool.block_bytes)
+                             len(seq.draft_blocks) * self.pool.block_bytes, reason=seq.reason)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

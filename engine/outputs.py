@@ -22,6 +22,8 @@ class RequestOutput:
     token_acceptance: float | None = None         # a = accepted / (accepted + rejections)
     kv_target_bytes: int = 0                      # KV this request holds now, target and draft
     kv_draft_bytes: int = 0
+    reason: str | None = None                     # e.g. "draft_unavailable": now baseline
+    error: str | None = None                      # the request failed (finish_reason "error")
 
 
 @dataclass
