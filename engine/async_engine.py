@@ -71,6 +71,11 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self.engine.abort(request_id)
 
+    def inject_fault(self, kind: str, count: int = 1) -> None:
+        """TEST ONLY: see `LLMEngine.inject_fault`."""
+        with self._lock:
+            self.engine.inject_fault(kind, count)
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()

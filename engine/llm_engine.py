@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.cost_model import choose_k, step_s
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError
+from engine.faults import Faults, FaultyRunner
 from engine.kv_cache import BlockPool
 from engine.memory import kv_budget_bytes
 from engine.metrics import Metrics, MetricsSnapshot
@@ -81,6 +82,9 @@ class LLMEngine:
                                   pool.evenly_strided(pool.target), peers)
         self.draft = (ModelRunner(self.draft_fw, pool.view(pool.draft), pool.evenly_strided(pool.draft))
                       if self.draft_fw else None)
+        self.faults = Faults() if config.fault_injection else None    # test-only hook
+        if self.faults is not None and self.draft is not None:
+            self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
         self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
         self.cost = CalibratedCost(self._cost_model())
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
@@ -162,6 +166,12 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, FinishReason.ABORT)
         return self._output(seq, [], final=True)
+
+    def inject_fault(self, kind: str, count: int = 1) -> None:
+        """TEST ONLY (EngineConfig.fault_injection): arm a real fault, see engine/faults.py."""
+        if self.faults is None:
+            raise RuntimeError("fault injection is off (EngineConfig.fault_injection)")
+        self.faults.arm(kind, count)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
