@@ -39,6 +39,7 @@ class TargetServer(EngineServer):
     def check_health(self) -> None:
         if self.tp_group.failed:
             raise RuntimeError(self.tp_group.failed)
+        super().check_health()
 
     async def tp_rank_pids(self) -> list[int]:
         """Process ids of ranks 1..N-1 (tests kill one to check the group is rebuilt)."""

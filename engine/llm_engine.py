@@ -83,8 +83,10 @@ class LLMEngine:
         self.draft = (ModelRunner(self.draft_fw, pool.view(pool.draft), pool.evenly_strided(pool.draft))
                       if self.draft_fw else None)
         self.faults = Faults() if config.fault_injection else None    # test-only hook
-        if self.faults is not None and self.draft is not None:
-            self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
+        if self.faults is not None:
+            self.target = FaultyRunner(self.target, self.faults, "target_raise")
+            if self.draft is not None:
+                self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
         self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
         self.cost = CalibratedCost(self._cost_model())
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
@@ -181,6 +183,8 @@ class LLMEngine:
         """One batched step. A fault inside it fails only the requests of this step (each gets
         a final output with `error`); the engine goes on serving the others."""
         start = time.perf_counter()
+        if self.faults is not None:
+            self.faults.fire("engine_crash")
         items = self.scheduler.schedule()
         # Sequences that outgrew the whole KV pool end with `length` and a final output.
         outputs = [self._output(seq, [], final=True) for seq in self.scheduler.take_truncated()]

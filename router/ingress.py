@@ -208,7 +208,8 @@ class Ingress:
             self.recent_lengths.append((last.num_prompt_tokens, last.num_output_tokens))
         return Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
                      total_tokens=last.num_prompt_tokens + last.num_output_tokens, tier=tier,
-                     reason=reason, price_usd=price, acceptance_rate=last.acceptance_rate,
+                     reason=getattr(last, "reason", None) or reason, price_usd=price,
+                     acceptance_rate=last.acceptance_rate,
                      mean_acceptance_length=last.mean_acceptance_length)
 
     async def _serve(self, request: Request, chat: bool) -> Response:
@@ -264,6 +265,7 @@ class Ingress:
         finally:
             stream.cancel()     # no-op when exhausted; aborts the sequence if we are cancelled
         usage = self._usage(last, tier, reason, prompt_class)
+        headers["x-specserve-reason"] = usage.reason       # the engine may have changed it
         make = chat_body if chat else completion_body
         self.m_requests.inc(tags={"status": "200", "tier": tier, "api": api})
         return JSONResponse(make(request_id, body.model, "".join(parts), last.finish_reason, usage,
