@@ -78,6 +78,8 @@ class LLMEngine:
                               self.target_fw.dtype, config.device,
                               (d.num_layers, d.num_kv_heads, d.head_dim) if d else None)
         pool = self.pool
+        if peers is not None:     # ranks 1..N-1 take this layout; they never re-derive it
+            peers.configure_pool(pool.target.tokens_per_block, pool.num_blocks)
         self.target = ModelRunner(self.target_fw, pool.view(pool.target),
                                   pool.evenly_strided(pool.target), peers)
         self.draft = (ModelRunner(self.draft_fw, pool.view(pool.draft), pool.evenly_strided(pool.draft))
