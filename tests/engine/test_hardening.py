@@ -36,8 +36,9 @@ def test_tiny_temperatures_are_greedy(logits):
         assert params.greedy
         probs = probabilities(logits, RowParams.build([params], [None], "cpu"))
         assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
-    # The same through RowParams built by hand (the sampler alone must not overflow either).
-    rp = RowParams(torch.tensor([1e-38]), torch.tensor([0]), torch.tensor([1.0]), [None])
+    # The same through RowParams built by hand (the sampler alone must not overflow either):
+    # 1e-40 is a float32 subnormal, and every logit divided by it is +-inf.
+    rp = RowParams(torch.tensor([1e-40]), torch.tensor([0]), torch.tensor([1.0]), [None])
     assert probabilities(logits, rp).tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
