@@ -4,8 +4,9 @@ Enabled by `EngineConfig(fault_injection=True)` (a deployment sets it through th
 `engine_args`); never on in production configs. When enabled, the engine wraps its draft
 and target runners in `FaultyRunner`, and `LLMEngine.inject_fault("draft_raise", n)` (or
 `"target_raise"`) makes the next n forwards of that model raise `InjectedFault` from inside the
-forward call, exactly where a real device error would surface; `"engine_crash"` raises at the start of the next `LLMEngine.step`, outside
-its per-step isolation, so the async engine's loop dies (a stand-in for a bug in the scheduler).
+forward call, exactly where a real device error would surface. `"engine_crash"` raises at the
+start of the next `LLMEngine.step`, outside its per-step isolation, so the async engine's loop
+dies (a stand-in for a bug in the scheduler).
 The fault tests use them to check that speculation degrades to baseline and that a dead engine
 fails its health check and stops receiving traffic.
 """

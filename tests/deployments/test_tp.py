@@ -2,7 +2,8 @@
 
 One Serve replica owns a placement group of two bundles; rank 1 is a child actor in bundle 1.
 Checks that TP = 2 gives TP = 1's greedy tokens (with a draft whose KV shape differs from the
-target's), and that killing rank 1 brings the whole group down and back (the replica exits at once, Serve builds a new group).
+target's), and that killing rank 1 brings the whole group down and back (the replica exits at
+once, Serve builds a new group).
 """
 
 from __future__ import annotations
