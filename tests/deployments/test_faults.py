@@ -97,8 +97,8 @@ def _no_kv_in_use(app, deployment: str, timeout_s: float = 15.0) -> dict:
 
 def test_a_failing_draft_leaves_the_stream_on_the_target_in_baseline(app):
     target = app.handle("TargetServer")
-    baseline = _tokens(_stream(app, "standard", max_tokens=40, speculation="off"))
-    events = _stream(app, "premium", max_tokens=40, speculation="on",
+    baseline = _tokens(_stream(app, "standard", max_tokens=200, speculation="off"))
+    events = _stream(app, "premium", max_tokens=200, speculation="on",
                      on_first=lambda: target.inject_fault.remote("draft_raise").result(timeout_s=30))
     assert not _errors(events) and events[-1] == "[DONE]"
     assert _finish(events) == "length"
