@@ -36,6 +36,7 @@ class GenerateChunk:
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     token_acceptance: float | None = None    # per-token a = accepted / (accepted + rejections)
+    fingerprint: str | None = None           # the replica's weights, numerics and sampler
 
 
 class TierError(Exception):
