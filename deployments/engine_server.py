@@ -145,6 +145,19 @@ class EngineServer:
 
     # -- requests -----------------------------------------------------------------------------
     def _prompt_token_ids(self, req: GenerateRequest) -> list[int]:
+        """The prompt's token ids; a prompt the tokenizer or chat template refuses is the
+        caller's 400 (never a replica failure that a client would retry)."""
+        try:
+            return self._tokenize(req)
+        except TierError:
+            raise
+        except Exception as exc:
+            logger.warning("request %s: tokenizing failed: %r", req.request_id, exc)
+            what = "messages" if req.messages is not None else "prompt"
+            raise TierError(400, f"the {what} could not be tokenized (or the chat template "
+                            "refused it)", code="invalid_prompt", param=what) from None
+
+    def _tokenize(self, req: GenerateRequest) -> list[int]:
         tok = self.tokenizer
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)

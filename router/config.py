@@ -82,9 +82,23 @@ class AuthConfig(_Strict):
 class LimitsConfig(_Strict):
     max_queued_requests: int = Field(64, ge=1, description="ingress: queued requests per proxy")
     max_ongoing_requests: int = Field(256, ge=1, description="ingress: concurrent requests")
+    max_in_flight: int = Field(192, ge=1, description="ingress admission: past it a 429 in "
+                               "OpenAI's shape (below max_ongoing_requests, so the ingress "
+                               "answers before Serve's proxy would)")
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After sent with a 429")
     max_tokens_default: int = Field(16, ge=1)
-    max_tokens_limit: int = Field(4096, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1, description="bound on max_tokens and "
+                                  "max_completion_tokens")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request body bytes (then 413)")
+    max_json_depth: int = Field(16, ge=4, le=64, description="JSON nesting of a request body")
+
+    @model_validator(mode="after")
+    def _ingress_answers_first(self) -> "LimitsConfig":
+        if self.max_in_flight >= self.max_ongoing_requests:
+            raise ValueError(f"limits.max_in_flight ({self.max_in_flight}) must be below "
+                             f"limits.max_ongoing_requests ({self.max_ongoing_requests}), so "
+                             "overload is answered by the ingress (429 in OpenAI's shape)")
+        return self
 
 
 class StatsConfig(_Strict):
