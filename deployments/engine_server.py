@@ -51,6 +51,7 @@ class EngineServer:
         self._exporter: asyncio.Task | None = None
         self._errors = self._engine_errors()
         self._kv_per_token = self._kv_bytes_per_token(tier_config)
+        self.fingerprint = self.replica_fingerprint(tier_config)
 
     @staticmethod
     def _kv_bytes_per_token(tier_config: dict) -> tuple[float, float]:
@@ -65,6 +66,22 @@ class EngineServer:
         if tier_config.get("draft"):
             draft = kv_bytes_per_token(AutoConfig.from_pretrained(tier_config["draft"]), dtype)
         return target / tier_config.get("tp_size", 1), float(draft)
+
+    @staticmethod
+    def replica_fingerprint(tier_config: dict) -> str:
+        """What a seeded request's text depends on besides the request: the served model's
+        files (not the draft's: the sampler is exact, drafts change speed only), the sampler
+        version, dtype, device type and TP size (numerics). The ingress adds the model name."""
+        import hashlib
+        import json
+
+        from engine.coupled_sampler import SAMPLER_VERSION
+        from models.fingerprint import checkpoint_digest
+
+        material = {"weights": checkpoint_digest(tier_config["model"]), "sampler": SAMPLER_VERSION,
+                    "dtype": tier_config["dtype"], "device": str(tier_config["device"]).split(":")[0],
+                    "tp_size": tier_config.get("tp_size", 1)}
+        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
 
     @staticmethod
     def engine_config(tier_config: dict):
@@ -213,7 +230,8 @@ class EngineServer:
                                 num_speculative_tokens=out.num_speculative_tokens,
                                 num_draft_tokens=out.num_draft_tokens,
                                 num_accepted_tokens=out.num_accepted_tokens,
-                                reason=getattr(out, "reason", None))
+                                reason=getattr(out, "reason", None,
+                                fingerprint=self.fingerprint)
         except prompt_too_long as exc:
             raise TierError(400, str(exc), code="context_length_exceeded",
                             param="messages" if req.messages is not None else "prompt") from None

@@ -1,4 +1,4 @@
-"""One engine step: draft proposes, target verifies, rejection sampling accepts.
+"""One engine step: draft proposes, target verifies, rejection sampling (or the coupling) accepts.
 
 The loop reads top to bottom (as gpt-fast's `speculative_decode`, batched): 1. the draft runs k
 rounds over the speculative sequences (its first round also catches up on tokens it has not
@@ -7,6 +7,8 @@ unseen tokens plus its k drafts; 3. the rejection sampler keeps accepted + 1 tok
 Sequences with k = 0 (baseline, or speculation not paying this step) ride in the same forward.
 If the draft fails (an exception in its forward), the step goes on without it: its sequences
 verify with k = 0 and their results say `draft_error`, so the engine drops them to baseline.
+Seeded requests use the Gumbel-max coupling instead of rejection sampling, so their text does not
+depend on k (`engine/coupled_sampler.py`).
 The math lives in `engine/sampler.py` and `engine/rejection_sampler.py`; the KV rollback is only
 a count (`num_computed`), since slots past it are simply overwritten later.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import SeqSlice
+from engine.coupled_sampler import coupled_seed, couple_rows
 from engine.model_runner import ModelRunner
 from engine.rejection_sampler import rejection_sample
 from engine.sampler import RowParams, probabilities, sample, uniforms
@@ -32,8 +35,12 @@ class StepResult:
     draft_error: BaseException | None = None   # the draft failed this step (k was set to 0)
 
 
-def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy: bool):
-    """k_i draft tokens for each item -> (flat ids [sum k], flat q rows [sum k, vocab] or None)."""
+def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy: bool,
+            seeds: list):
+    """k_i draft tokens for each item -> (flat ids [sum k], flat q rows [sum k, vocab] or None).
+
+    seeds[i]: the coupled sampler's seed for item i (None: sample from q with its generator).
+    """
     drafted: list[list[int]] = [[] for _ in items]
     probs: list[list[torch.Tensor]] = [[] for _ in items]
     for j in range(max(it.k for it in items)):
@@ -55,7 +62,9 @@ def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy
         else:
             sub = rp.select(torch.tensor(active))
             q = probabilities(logits, sub)
-            tokens = sample(q, sub.generators).tolist()
+            tokens = sample(q, sub.generators)
+            tokens = couple_rows(tokens, q, [seeds[i] for i in active],
+                                 [len(items[i].seq.token_ids) + j for i in active]).tolist()
             for i, row in zip(active, q):
                 probs[i].append(row)
         for i, t in zip(active, tokens):
@@ -71,6 +80,7 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
     sampling = [it for it in items if it.samples]
     spec = spec_items = [it for it in sampling if it.k > 0]
     greedy = all(it.seq.params.greedy for it in sampling)
+    seeds = [coupled_seed(it.seq.params) for it in sampling]    # None: rejection sampling
     rp = RowParams.build([it.seq.params for it in sampling],
                          [it.seq.generator for it in sampling], target.device)
     drafted, draft_error = {}, None
@@ -79,7 +89,7 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
         spec_rows = [i for i, it in enumerate(sampling) if it.k > 0]
         try:
             lists, draft_ids, draft_q = propose(draft, spec, rp.select(torch.tensor(spec_rows)),
-                                                greedy)
+                                                greedy, [seeds[i] for i in spec_rows])
             drafted = {id(it): d for it, d in zip(spec, lists)}
         except Exception as exc:       # the draft is down: verify these sequences with k = 0
             draft_error = exc
@@ -103,14 +113,19 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
     logits = target.run(seqs, ids, pos, rows)                          # [sum(k+1), vocab]
 
     # Accept: flat drafts over the sampling sequences (k = 0 for those not speculating).
+    # Seeded rows: the target's choice is its coupled sample and the rule is greedy
+    # verification on it (engine/coupled_sampler.py); the others keep rejection sampling.
     ks = [it.k for it in sampling]
-    p, u = None, None
+    choice, p, u = logits.argmax(dim=-1), None, None
     if not greedy:
         per_row = torch.repeat_interleave(torch.arange(len(sampling)), torch.tensor(ks) + 1)
         p = probabilities(logits, rp.select(per_row))
         u = uniforms(ks, rp.generators, target.device)
-    accepted, emitted = rejection_sample(draft_ids, ks, logits.argmax(dim=-1),
-                                         [it.seq.params.greedy for it in sampling],
+        row_seeds = [seeds[i] for i in per_row.tolist()]
+        positions = [len(it.seq.token_ids) + j for it in sampling for j in range(it.k + 1)]
+        choice = couple_rows(choice, p, row_seeds, positions)
+    rule_greedy = [it.seq.params.greedy or s is not None for it, s in zip(sampling, seeds)]
+    accepted, emitted = rejection_sample(draft_ids, ks, choice, rule_greedy,
                                          p, draft_q, u, rp.generators)
     failed = {id(it) for it in spec_items} if draft_error is not None else set()
     results = {id(it): StepResult(it, a, t, draft_error if id(it) in failed else None)

@@ -42,7 +42,7 @@ from router.config import AppConfig
 from router.live_stats import LiveStats, to_cluster_stats
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
                                   Usage, chat_body, chat_chunk, completion_body, completion_chunk,
-                                  error_body, new_id)
+                                  error_body, new_id, system_fingerprint)
 from router.pricing import PriceTable, check_speculation, effective_plan, plan_covers
 from router.validation import parse_json_object, read_body, validate_request
 from router.wire import GenerateChunk, GenerateRequest, find_tier_error
@@ -323,8 +323,9 @@ class Ingress:
         headers["x-specserve-reason"] = usage.reason       # the engine may have changed it
         make = chat_body if chat else completion_body
         self.m_requests.inc(tags={"status": "200", "tier": tier, "api": api})
+        fingerprint = system_fingerprint(self.cfg.model_name, last.fingerprint)
         return JSONResponse(make(request_id, body.model, "".join(parts), last.finish_reason, usage,
-                                 token_ids if ids else None), headers=headers)
+                                 token_ids if ids else None, fingerprint), headers=headers)
 
     async def _sse(self, first, stream, chat, model, request_id, charge, prompt_class,
                    return_ids, api, ticket):
@@ -337,12 +338,13 @@ class Ingress:
                     continue            # nothing to say yet (the detokenizer holds bytes back)
                 usage = await self._usage(chunk, charge, prompt_class) if chunk.finished else None
                 ids = chunk.token_ids if return_ids else None
+                fingerprint = system_fingerprint(self.cfg.model_name, chunk.fingerprint)
                 if chat:
                     data = chat_chunk(request_id, model, chunk.text, chunk.finish_reason, usage,
-                                      first=is_first, token_ids=ids)
+                                      first=is_first, token_ids=ids, fingerprint=fingerprint)
                 else:
                     data = completion_chunk(request_id, model, chunk.text, chunk.finish_reason,
-                                            usage, ids)
+                                            usage, ids, fingerprint)
                 is_first = False
                 yield f"data: {json.dumps(data)}\n\n"
                 if chunk.finished:

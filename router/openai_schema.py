@@ -176,27 +176,39 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def system_fingerprint(model_name: str, replica_fingerprint: str | None) -> str | None:
+    """OpenAI's `system_fingerprint`: the model name and the replica's weights, numerics and
+    sampler. A seeded request reproduces across answers that carry the same one."""
+    if replica_fingerprint is None:
+        return None
+    import hashlib
+
+    return "fp_" + hashlib.sha256(f"{model_name}|{replica_fingerprint}".encode()).hexdigest()[:12]
+
+
 def completion_body(request_id: str, model: str, text: str, finish_reason: str | None,
-                    usage: Usage | None, token_ids: list[int] | None = None) -> dict:
+                    usage: Usage | None, token_ids: list[int] | None = None,
+                    fingerprint: str | None = None) -> dict:
     choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
                               "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice]}
+            "model": model, "system_fingerprint": fingerprint, "choices": [choice]}
     if usage is not None:
         body["usage"] = usage.model_dump()
     return body
 
 
 def chat_body(request_id: str, model: str, text: str, finish_reason: str | None,
-              usage: Usage | None, token_ids: list[int] | None = None) -> dict:
+              usage: Usage | None, token_ids: list[int] | None = None,
+              fingerprint: str | None = None) -> dict:
     choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                               "logprobs": None, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [choice]}
+            "model": model, "system_fingerprint": fingerprint, "choices": [choice]}
     if usage is not None:
         body["usage"] = usage.model_dump()
     return body
@@ -204,7 +216,7 @@ def chat_body(request_id: str, model: str, text: str, finish_reason: str | None,
 
 def chat_chunk(request_id: str, model: str, text: str | None, finish_reason: str | None,
                usage: Usage | None = None, first: bool = False,
-               token_ids: list[int] | None = None) -> dict:
+               token_ids: list[int] | None = None, fingerprint: str | None = None) -> dict:
     delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
@@ -215,15 +227,16 @@ def chat_chunk(request_id: str, model: str, text: str | None, finish_reason: str
     if token_ids is not None:
         choice["token_ids"] = token_ids
     body = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model, "choices": [choice]}
+            "model": model, "system_fingerprint": fingerprint, "choices": [choice]}
     if usage is not None:
         body["usage"] = usage.model_dump()
     return body
 
 
 def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None,
-                     usage: Usage | None = None, token_ids: list[int] | None = None) -> dict:
-    body = completion_body(request_id, model, text, finish_reason, usage, token_ids)
+                     usage: Usage | None = None, token_ids: list[int] | None = None,
+                     fingerprint: str | None = None) -> dict:
+    body = completion_body(request_id, model, text, finish_reason, usage, token_ids, fingerprint)
     return body
 
 

@@ -40,6 +40,7 @@ class GenerateChunk:
     num_draft_tokens: int = 0                # draft tokens proposed / accepted, cumulative
     num_accepted_tokens: int = 0
     reason: str | None = None                # set when the engine changed the mode (draft_unavailable)
+    fingerprint: str | None = None           # the replica's weights, numerics and sampler
 
 
 class TierError(Exception):
