@@ -230,7 +230,7 @@ class EngineServer:
                                 num_speculative_tokens=out.num_speculative_tokens,
                                 num_draft_tokens=out.num_draft_tokens,
                                 num_accepted_tokens=out.num_accepted_tokens,
-                                reason=getattr(out, "reason", None,
+                                reason=out.reason,
                                 fingerprint=self.fingerprint)
         except prompt_too_long as exc:
             raise TierError(400, str(exc), code="context_length_exceeded",
