@@ -32,7 +32,8 @@ REPEATS = 3                       # timed runs per point (median), after one war
 
 def _key(engine) -> str:
     c = engine.config
-    parts = [str(Path(c.target).resolve()), str(c.draft and Path(c.draft).resolve()), c.dtype,
+    parts = [str(Path(c.target).resolve()), str(c.draft and Path(c.draft).resolve()),
+             str(engine.target_fw.dtype),
              c.device, str(c.num_threads), str(c.tp_size), torch.__version__, platform.processor(),
              str(os.cpu_count()), engine.target_fw.kernel, str(VERSION)]
     for folder in filter(None, [c.target, c.draft]):

@@ -43,3 +43,25 @@ def test_adaptive_k_matches_generate(make_engine, reference, tmp_path):
         engine.add_request(f"r{i}", p, _params(), RequestOptions(mode="speculative", k_max=4))
     outs, _ = run_all(engine)
     assert all(outs[f"r{i}"] == reference[i] for i in range(len(PROMPTS)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_equals_plain_decoding_in_each_dtype(make_engine, dtype):
+    """In the same dtype, a batch of speculative (fixed k 1..5) and baseline requests arriving
+    at different steps emits the tokens each prompt gets decoded alone without a draft."""
+    plain = []
+    for p in PROMPTS:
+        engine = make_engine(draft=False, dtype=dtype)
+        engine.add_request("p", p, _params())
+        plain.append(run_all(engine)[0]["p"])
+    engine = make_engine(dtype=dtype, adaptive_k=False, max_num_batched_tokens=64)
+    assert engine.target_fw.dtype == getattr(__import__("torch"), dtype)
+    assert engine.pool.element_size == (4 if dtype == "float32" else 2)
+    rng = random.Random(1)
+    arrivals = {}
+    for i, p in enumerate(PROMPTS):
+        opts = RequestOptions(mode="speculative" if i % 3 else "baseline", k_max=1 + i % 5)
+        arrivals.setdefault(rng.randrange(6), []).append((f"r{i}", p, _params(), opts))
+    outs, _ = run_all(engine, arrivals)
+    assert engine.snapshot().num_accepted_tokens > 0
+    assert [outs[f"r{i}"] for i in range(len(PROMPTS))] == plain
