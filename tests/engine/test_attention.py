@@ -60,7 +60,8 @@ PLANS = {
 @pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("layout", ["target", "draft"])
 @pytest.mark.parametrize("scattered", [False, True])
-def test_batched_equals_per_sequence(dtype, plan, layout, scattered):
+@pytest.mark.parametrize("per_sequence", [False, None])
+def test_batched_equals_per_sequence(dtype, plan, layout, scattered, per_sequence):
     rng = random.Random(hash((plan, layout, scattered)) % 1000)
     torch.manual_seed(0)
     pool = _pool(dtype, draft=layout == "draft")
@@ -76,7 +77,9 @@ def test_batched_equals_per_sequence(dtype, plan, layout, scattered):
             view[b, o].normal_()
     total = sum(s.num_query for s in seqs)
     scale = D ** -0.5
-    attn = PagedAttention(layers, seqs, scale, pool.evenly_strided(lay))
+    attn = PagedAttention(layers, seqs, scale, pool.evenly_strided(lay), {}, per_sequence)
+    if per_sequence is False:
+        assert len(attn.groups) <= 3            # one call per query-length group
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for layer in range(lay.num_layers):
         q = torch.randn(total, HEADS, D, dtype=dtype)
