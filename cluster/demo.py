@@ -11,7 +11,7 @@ import time
 
 def add_arguments(p) -> None:
     p.add_argument("--family", default=None, help="family folder (default: the demo family)")
-    p.add_argument("--prompt", default="def fibonacci(n):\n")
+    p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k-max", type=int, default=4)
 

@@ -1,14 +1,23 @@
 """The project's own demo model family: build it once, reuse it everywhere.
 
-Owns: the presets (sizes, corpus caps, time shares) for CPU, CUDA and tests; the build's stages
+Owns: the presets (sizes, corpus caps, steps) for CPU, CUDA and tests; the build's stages
 (tokenizer, target, draft distilled from the final target, small) each saved when done so a re-run
 resumes; the cache check (a second build with the same settings does nothing); the family record
 `DIR/family.json`; and where the family lives by default. Does not own: data
 (`models/demo_data.py`), training and evaluation (`models/demo_train.py`), loading (`models/loader.py`).
 
-Layout: `DIR/{target,draft,small}/` are standard `LlamaForCausalLM` folders (config, float32
+Layout: `DIR/{target,draft,small}/` are standard `LlamaForCausalLM` folders (config, bfloat16
 safetensors, the shared tokenizer, generation config); `DIR/tokenizer/` keeps the tokenizer alone;
 `DIR/build_state.json` records finished stages; `DIR/family.json` is written last.
+
+A build is budgeted in optimizer steps, never in wall time: the same settings give the same family
+on a quiet machine and on a busy one (only later). `nominal_tokens_per_s` only estimates the time.
+Weights are rounded to bfloat16 when a stage ends (before the next stage uses them as teacher), so
+what is saved is exactly what was evaluated.
+
+Where the family lives: `$SPECSERVE_DEMO_DIR` if set; else the family committed in the repository
+(`demo-family/`, built on a GPU with the `cuda` preset, see its README), so a fresh checkout serves
+with no training; else `~/.cache/specserve/demo-family`, built there on first use.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from models.demo_data import CorpusConfig, collect_corpus, encode_files, train_t
 from models.demo_train import (ModelShape, StagePlan, build_model, draft_from_target, evaluate,
                                greedy_sample, num_params, train, train_dtype)
 
-RECIPE_VERSION = 1          # bump when a change to the recipe should invalidate built families
+RECIPE_VERSION = 2          # bump when a change to the recipe should invalidate built families
 ROLES = ("target", "draft", "small")
 SAMPLE_PROMPT = "def fibonacci(n):"
 
@@ -44,10 +53,8 @@ class Preset:
     seq_len: int
     batch_size: int
     lr: float
-    budget_s: float                 # default wall-clock budget of the whole build
-    reserve_s: float                # part of the budget kept for data, evaluation and saving
-    shares: tuple[float, float, float]        # training time of target, draft, small
-    nominal_tokens_per_s: tuple[float, float, float]  # planning speed: steps = time x this / batch
+    steps: tuple[int, int, int]     # optimizer steps of target, draft, small
+    nominal_tokens_per_s: tuple[float, float, float]  # only for the time estimate printed first
     eval_tokens: int
     sample_tokens: int = 48
 
@@ -58,21 +65,21 @@ PRESETS = {
                                          held_out_percent=10),
         target=ModelShape(2, 64, 128, head_dim=32), draft_layers=(0,),
         small=ModelShape(1, 64, 128, head_dim=32), seq_len=64, batch_size=8, lr=3e-3,
-        budget_s=20, reserve_s=8, shares=(0.5, 0.25, 0.25),
-        nominal_tokens_per_s=(25_000, 25_000, 40_000), eval_tokens=2048, sample_tokens=16),
+        steps=(120, 60, 60), nominal_tokens_per_s=(25_000, 25_000, 40_000), eval_tokens=2048,
+        sample_tokens=16),
     "cpu": Preset(
         name="cpu", corpus=CorpusConfig(max_bytes=12_000_000, vocab_size=4096),
         target=ModelShape(4, 256, 688), draft_layers=(0,),
         small=ModelShape(2, 256, 688), seq_len=256, batch_size=8, lr=3e-3,
-        budget_s=720, reserve_s=45, shares=(0.60, 0.25, 0.15),
-        nominal_tokens_per_s=(5_500, 5_500, 9_000), eval_tokens=20_480),
+        steps=(1087, 453, 445), nominal_tokens_per_s=(5_500, 5_500, 9_000), eval_tokens=20_480),
+    # The committed family: sized so that all three models in bfloat16 stay under 40 MB.
     "cuda": Preset(
         name="cuda", corpus=CorpusConfig(max_bytes=120_000_000, site_packages=True,
-                                         tokenizer_bytes=20_000_000, vocab_size=8192),
-        target=ModelShape(12, 384, 1024), draft_layers=(0, 11),
-        small=ModelShape(6, 256, 688), seq_len=512, batch_size=64, lr=1.5e-3,
-        budget_s=300, reserve_s=75, shares=(0.55, 0.25, 0.20),
-        nominal_tokens_per_s=(520_000, 700_000, 1_050_000), eval_tokens=65_536),
+                                         tokenizer_bytes=20_000_000, vocab_size=4096),
+        target=ModelShape(8, 320, 768), draft_layers=(0, 7),
+        small=ModelShape(4, 256, 640), seq_len=512, batch_size=64, lr=2e-3,
+        steps=(2400, 1200, 1600), nominal_tokens_per_s=(700_000, 600_000, 1_200_000),
+        eval_tokens=65_536),
 }
 
 
@@ -81,7 +88,7 @@ class DemoSettings:
     """What determines the family. `threads` only changes float rounding, so it is not here."""
     preset: str = "cpu"
     seed: int = 0
-    budget_s: float | None = None   # None: the preset's
+    steps_scale: float = 1.0        # multiplies the preset's steps (quick builds, tests)
     device: str = "cpu"
 
     def __post_init__(self):
@@ -89,26 +96,43 @@ class DemoSettings:
             raise ValueError(f"unknown preset {self.preset!r}; use one of {sorted(PRESETS)}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', not {self.device!r}")
-        if self.budget_s is not None and self.budget_s <= PRESETS[self.preset].reserve_s:
-            raise ValueError(f"budget_s must exceed the preset's reserve of "
-                             f"{PRESETS[self.preset].reserve_s} s")
+        if not 0 < self.steps_scale <= 100:
+            raise ValueError(f"steps_scale must be in (0, 100], not {self.steps_scale}")
 
-    @property
-    def resolved_budget_s(self) -> float:
-        return float(self.budget_s if self.budget_s is not None else PRESETS[self.preset].budget_s)
+    def steps(self, role_index: int) -> int:
+        return max(1, round(PRESETS[self.preset].steps[role_index] * self.steps_scale))
+
+    def estimate_s(self) -> float:
+        """Training time on a machine that reaches the preset's nominal speed (an estimate only)."""
+        preset = PRESETS[self.preset]
+        tokens_per_step = preset.batch_size * preset.seq_len
+        return sum(self.steps(i) * tokens_per_step / preset.nominal_tokens_per_s[i] for i in range(3))
 
     def record(self) -> dict:
         return {"preset": asdict(PRESETS[self.preset]), "seed": self.seed,
-                "budget_s": self.resolved_budget_s, "device": self.device,
+                "steps_scale": self.steps_scale, "device": self.device,
                 "python": f"{sys.version_info[0]}.{sys.version_info[1]}", "recipe": RECIPE_VERSION}
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def default_demo_dir() -> Path:
-    """`$SPECSERVE_DEMO_DIR`, else `~/.cache/specserve/demo-family`."""
+COMMITTED_DIR = Path(__file__).resolve().parents[1] / "demo-family"
+
+
+def build_dir() -> Path:
+    """Where `build-demo` writes by default: `$SPECSERVE_DEMO_DIR`, else the user's cache
+    (never the committed family, which only a deliberate `--out demo-family` replaces)."""
     return Path(os.environ.get("SPECSERVE_DEMO_DIR") or "~/.cache/specserve/demo-family").expanduser()
+
+
+def default_demo_dir() -> Path:
+    """The family to serve: `$SPECSERVE_DEMO_DIR`, else the committed one, else the cache."""
+    if os.environ.get("SPECSERVE_DEMO_DIR"):
+        return build_dir()
+    if (COMMITTED_DIR / "family.json").is_file():
+        return COMMITTED_DIR
+    return build_dir()
 
 
 def is_complete(out: Path, settings_hash: str | None = None) -> bool:
@@ -139,8 +163,7 @@ def build_lock(out: Path):
         yield
 
 
-def ensure_demo_family(out: str | Path | None = None, budget_s: float | None = None,
-                       device: str = "cpu") -> Path:
+def ensure_demo_family(out: str | Path | None = None, device: str = "cpu") -> Path:
     """The demo family's folder, built first (default settings) only if no complete family is there."""
     out = Path(out).expanduser() if out is not None else default_demo_dir()
     if is_complete(out):
@@ -148,16 +171,14 @@ def ensure_demo_family(out: str | Path | None = None, budget_s: float | None = N
     with build_lock(out):
         if not is_complete(out):
             preset = "cuda" if device == "cuda" else "cpu"
-            build_demo_family(out, DemoSettings(preset=preset, budget_s=budget_s, device=device))
+            build_demo_family(out, DemoSettings(preset=preset, device=device))
     return out
 
 
 def _plan(settings: DemoSettings, role_index: int, seed_offset: int) -> StagePlan:
     preset = PRESETS[settings.preset]
-    budget = (settings.resolved_budget_s - preset.reserve_s) * preset.shares[role_index]
-    tokens_per_step = preset.batch_size * preset.seq_len
-    steps = max(1, int(budget * preset.nominal_tokens_per_s[role_index] / tokens_per_step))
-    return StagePlan(steps=steps, budget_s=budget, batch_size=preset.batch_size,
+    steps = settings.steps(role_index)
+    return StagePlan(steps=steps, batch_size=preset.batch_size,
                      seq_len=preset.seq_len, lr=preset.lr, seed=settings.seed * 1000 + seed_offset,
                      warmup_steps=min(30, max(1, steps // 10)))
 
@@ -166,7 +187,11 @@ def _save(model, tokenizer, folder: Path) -> None:
     """Write a complete checkpoint folder atomically (a half-written one never looks finished)."""
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
+    model.to(torch.bfloat16)
+    try:
+        model.save_pretrained(staging)
+    finally:
+        model.to(torch.float32)
     tokenizer.save_pretrained(staging)
     for file in staging.iterdir():
         file.chmod(0o644)
@@ -219,8 +244,10 @@ def build_demo_family(out: str | Path, settings: DemoSettings, threads: int | No
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda requested but torch sees no CUDA device")
     state = _State(out, settings.hash())
-    log(f"building the demo family in {out} (preset {preset.name}, "
-        f"budget {settings.resolved_budget_s:.0f} s, {threads} threads, {device})")
+    steps = [settings.steps(i) for i in range(3)]
+    log(f"building the demo family in {out} (preset {preset.name}, steps {steps} for target, "
+        f"draft, small; {threads} threads, {device}); training alone takes about "
+        f"{settings.estimate_s() / 60:.0f} min at the preset's nominal speed, longer on a busy machine")
 
     t0 = time.monotonic()
     data_threads = threads if device.type == "cpu" else (os.cpu_count() or 1)
@@ -254,6 +281,7 @@ def build_demo_family(out: str | Path, settings: DemoSettings, threads: int | No
             model = build_model(shape, len(tokenizer), plan.seed)
         record = train(model, train_stream, plan, device, desc=role,
                        teacher=models[teacher] if teacher else None)
+        model.to(torch.bfloat16).to(torch.float32)      # what is saved is what is evaluated
         if role == "draft":
             record["init_layers"] = list(preset.draft_layers)
             record["loss"] = f"KL(target || draft) + {plan.ce_weight} x CE"

@@ -19,9 +19,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="family folder (default: $SPECSERVE_DEMO_DIR or ~/.cache/specserve/demo-family)")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="wall-clock budget of the whole build in seconds (default: the preset's; "
-                             "cpu 700, cuda 300)")
+    parser.add_argument("--steps-scale", type=float, default=1.0,
+                        help="multiply the preset's optimizer steps (the build is budgeted in steps, "
+                             "not wall time: a busy machine gives the same family, later)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--preset", choices=("tiny", "cpu", "cuda"), default=None,
                         help="sizes and corpus caps (default: the device's; tiny is for tests)")
@@ -32,16 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.demo import (DemoSettings, build_demo_family, build_lock, default_demo_dir,
-                             is_complete)
+    from models.demo import DemoSettings, build_demo_family, build_dir, build_lock, is_complete
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()        # per-checkpoint load/save bars; ours stay
-    out = (args.out or default_demo_dir()).expanduser()
+    out = (args.out or build_dir()).expanduser()
     preset = args.preset or ("cuda" if args.device == "cuda" else "cpu")
     try:
-        settings = DemoSettings(preset=preset, seed=args.seed, budget_s=args.budget_s,
+        settings = DemoSettings(preset=preset, seed=args.seed, steps_scale=args.steps_scale,
                                 device=args.device)
     except ValueError as exc:
         print(f"specserve models build-demo: {exc}")

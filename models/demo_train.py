@@ -1,15 +1,14 @@
 """Training and evaluation of the demo family: next-token training, distillation, held-out figures.
 
-Owns: building a standard `LlamaForCausalLM` from a `ModelShape`, one time-budgeted training loop
+Owns: building a standard `LlamaForCausalLM` from a `ModelShape`, one step-budgeted training loop
 (next-token cross-entropy, or distillation from a frozen teacher: KL to its soft labels plus a
 little cross-entropy), initialising a draft from chosen target layers, and measuring held-out
 cross-entropy and agreement with the target. Does not own: data (`models/demo_data.py`), stages,
 caching or files (`models/demo.py`).
 
-The loop's schedule runs on `progress = max(step / steps, (elapsed / budget_s - slack) / (1 - slack))`:
-a machine that keeps pace with the planned steps trains exactly `steps` steps on a schedule that
-depends on the step alone (same seed, same weights; the slack absorbs a slow first step); a slower
-one stops at its budget, with the learning rate still annealed to its floor.
+The loop runs exactly `steps` optimizer steps on a schedule (warm-up, cosine to a floor) that
+depends on the step alone: the same seed gives the same weights on a fast or a busy machine; the
+progress bar shows the ETA.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class StagePlan:
-    steps: int            # planned optimizer steps; the run stops earlier if the budget runs out
-    budget_s: float
+    steps: int            # optimizer steps
     batch_size: int
     seq_len: int
     lr: float
@@ -55,7 +53,6 @@ class StagePlan:
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1
     ce_weight: float = 0.1    # with a teacher: loss = KL(teacher || student) + ce_weight * CE
-    time_slack: float = 0.1   # share of the budget the clock may run ahead of the steps
 
 
 def llama_config(shape: ModelShape, vocab_size: int, max_positions: int = 2048):
@@ -104,14 +101,9 @@ def num_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _progress(plan: StagePlan, step: int, elapsed: float) -> float:
-    by_clock = (elapsed / plan.budget_s - plan.time_slack) / (1 - plan.time_slack)
-    return max(step / plan.steps, by_clock)
-
-
-def _lr(plan: StagePlan, step: int, progress: float) -> float:
+def _lr(plan: StagePlan, step: int) -> float:
     warmup = min(1.0, (step + 1) / max(1, plan.warmup_steps))
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, step / plan.steps)))
     return plan.lr * warmup * (plan.min_lr_ratio + (1 - plan.min_lr_ratio) * cosine)
 
 
@@ -150,15 +142,12 @@ def train(model, stream: torch.Tensor, plan: StagePlan, device: torch.device, de
         teacher.to(device).eval()
     optimizer = _optimizer(model, plan.lr, device)
     generator = torch.Generator().manual_seed(plan.seed)
-    step, tokens, recent = 0, 0, []
+    tokens, recent = 0, []
     start = time.monotonic()
     bar = tqdm(total=plan.steps, desc=desc, unit="step", mininterval=2.0, dynamic_ncols=True)
-    while True:
-        progress = _progress(plan, step, time.monotonic() - start)
-        if progress >= 1.0:
-            break
+    for step in range(plan.steps):
         for group in optimizer.param_groups:
-            group["lr"] = _lr(plan, step, progress)
+            group["lr"] = _lr(plan, step)
         batch = sample_windows(stream, plan.batch_size, plan.seq_len, generator).to(device)
         inputs, labels = batch[:, :-1], batch[:, 1:]                  # [batch_size, seq_len]
         with _autocast(device):
@@ -177,7 +166,6 @@ def train(model, stream: torch.Tensor, plan: StagePlan, device: torch.device, de
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
         tokens += inputs.numel()
         recent = (recent + [loss.item()])[-20:]
         bar.update(1)
@@ -186,9 +174,9 @@ def train(model, stream: torch.Tensor, plan: StagePlan, device: torch.device, de
     bar.close()
     seconds = time.monotonic() - start
     model.eval()
-    return {"steps": step, "planned_steps": plan.steps, "tokens": tokens,
+    return {"steps": plan.steps, "tokens": tokens,
             "seconds": round(seconds, 1), "tokens_per_s": round(tokens / max(seconds, 1e-9)),
-            "budget_limited": step < plan.steps, "train_loss": round(sum(recent) / max(1, len(recent)), 4)}
+            "train_loss": round(sum(recent) / max(1, len(recent)), 4)}
 
 
 @torch.no_grad()

@@ -151,7 +151,12 @@ DEMO_PLACEHOLDER = "{demo_family}"
 
 
 def default_demo_dir() -> Path:
-    """Where `models.demo` builds the demo family (kept in step with it; no torch import here)."""
+    """The demo family to serve, as `models.demo.default_demo_dir` says (no torch import here):
+    `$SPECSERVE_DEMO_DIR`, else the family committed in the repository, else the user's cache."""
+    if not os.environ.get("SPECSERVE_DEMO_DIR"):
+        committed = Path(__file__).resolve().parents[1] / "demo-family"
+        if (committed / "family.json").is_file():
+            return committed
     return Path(os.environ.get("SPECSERVE_DEMO_DIR") or "~/.cache/specserve/demo-family").expanduser()
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_tiny_build_is_a_loadable_family_and_a_second_call_does_nothing(tmp_path, capsys):
     out = tmp_path / "family"
-    argv = ["models", "build-demo", "--out", str(out), "--preset", "tiny", "--budget-s", "20",
+    argv = ["models", "build-demo", "--out", str(out), "--preset", "tiny",
             "--threads", "1"]
     assert main(argv) == 0
 
@@ -59,7 +59,7 @@ def test_tiny_build_is_a_loadable_family_and_a_second_call_does_nothing(tmp_path
 def test_settings_hash_and_held_out_split_are_stable():
     assert DemoSettings(seed=1).hash() == DemoSettings(seed=1).hash()
     assert DemoSettings(seed=1).hash() != DemoSettings(seed=2).hash()
-    assert DemoSettings(budget_s=600).hash() != DemoSettings().hash()
+    assert DemoSettings(steps_scale=2).hash() != DemoSettings().hash()
     assert [is_held_out(f"pkg/mod{i}.py", 5) for i in range(200)] == \
            [is_held_out(f"pkg/mod{i}.py", 5) for i in range(200)]
     assert 0 < sum(is_held_out(f"pkg/mod{i}.py", 5) for i in range(2000)) < 200
@@ -69,7 +69,7 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         DemoSettings(preset="huge")
     with pytest.raises(ValueError):
-        DemoSettings(preset="cpu", budget_s=10)
+        DemoSettings(preset="cpu", steps_scale=0)
 
 
 def test_same_seed_same_tokenizer_and_weights():
@@ -85,11 +85,11 @@ def test_same_seed_same_tokenizer_and_weights():
     tokenizers = [train_tokenizer(corpus.train, config, threads=1) for _ in range(2)]
     assert tokenizers[0].backend_tokenizer.to_str() == tokenizers[1].backend_tokenizer.to_str()
     stream = encode_files(tokenizers[0], corpus.train)
-    plan = StagePlan(steps=5, budget_s=1e6, batch_size=2, seq_len=32, lr=3e-3, seed=7)
+    plan = StagePlan(steps=5, batch_size=2, seq_len=32, lr=3e-3, seed=7)
     weights = []
     for _ in range(2):
         model = build_model(ModelShape(1, 32, 64, head_dim=16), 300, seed=3)
         record = train(model, stream, plan, torch.device("cpu"), desc="determinism")
-        assert record["steps"] == 5 and not record["budget_limited"]
+        assert record["steps"] == 5
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(weights[0], weights[1])
