@@ -1,5 +1,6 @@
 """Greedy output equals transformers' `generate` on the target, in every batch mix."""
 
+import os
 import random
 
 import pytest
@@ -9,6 +10,10 @@ from engine.sampling_params import RequestOptions, SamplingParams
 
 PROMPTS = [[5 + i, 7, 9 + 2 * i, 11] * (1 + i % 4) + [20 + i] * (i % 3) for i in range(10)]
 N_NEW = 24
+# transformers' reference runs in float32; in another SPECSERVE_TEST_DTYPE the identity that holds
+# is speculative == plain decoding in that dtype (the last test, run in both dtypes anyway).
+fp32_only = pytest.mark.skipif(os.environ.get("SPECSERVE_TEST_DTYPE", "float32") != "float32",
+                               reason="the transformers reference runs in float32")
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +25,7 @@ def _params():
     return SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
 
 
+@fp32_only
 @pytest.mark.parametrize("mix", ["baseline", "speculative", "mixed"])
 def test_batches_match_generate(make_engine, reference, mix):
     engine = make_engine(adaptive_k=False, max_num_batched_tokens=64)
@@ -37,6 +43,7 @@ def test_batches_match_generate(make_engine, reference, mix):
         assert engine.snapshot().num_accepted_tokens > 0
 
 
+@fp32_only
 def test_adaptive_k_matches_generate(make_engine, reference, tmp_path):
     engine = make_engine(profile=True, cost_cache_dir=str(tmp_path))
     for i, p in enumerate(PROMPTS):
