@@ -23,7 +23,7 @@ from engine.cost_model import (LinearCost, LinearStepCost, TableCost, TableStepC
 from engine.kv_cache import blocks_needed
 
 CONTEXT = 64                      # cached tokens per sequence while timing
-VERSION = 3                       # bump when the forward's speed changes (kernels, layout)
+VERSION = 4                       # bump when the forward's speed changes (kernels, layout)
 SEQS = (1, 2, 4, 8, 16, 32)                     # batch sizes timed
 TOKENS_PER_SEQ = (1, 2, 3, 5, 8)                 # query tokens per sequence (1 + k)
 GRID = [(n, q) for n in SEQS for q in TOKENS_PER_SEQ]
