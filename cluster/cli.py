@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads OpenMP: see engine/__init__
 
 # (command path, module, help). Nested commands are written "group sub".
 COMMANDS: list[tuple[str, str, str]] = [

@@ -60,7 +60,7 @@ class EngineServer:
 
         from models.loader import kv_bytes_per_token, resolve_dtype
 
-        dtype = resolve_dtype(tier_config["dtype"])
+        dtype = resolve_dtype(tier_config["dtype"], tier_config.get("device", "cpu"))
         target = kv_bytes_per_token(AutoConfig.from_pretrained(tier_config["model"]), dtype)
         draft = 0
         if tier_config.get("draft"):

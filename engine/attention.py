@@ -1,14 +1,23 @@
 """Attention over the paged KV cache, for one forward of one model over a ragged batch.
 
 Owns: the per-forward metadata (where each new token's K/V goes, which cached tokens each query
-sees) and the attention call each layer makes. Built once per forward, shared by all layers.
-Does not own: the model math (`models/llama.py`) or block allocation (`engine/kv_cache.py`).
+sees), built once per forward as tensors and shared by all layers, and the attention call each
+layer makes. Does not own: the model math (`models/llama.py`) or block allocation
+(`engine/kv_cache.py`).
 
-Queries arrive flat, `[num_tokens, num_heads, head_dim]`, sequence after sequence, and each
-sequence is attended over exactly its own keys: nothing is padded to another sequence's length.
-A sequence whose blocks are consecutive is read in place (a strided view of the pool); otherwise
-its blocks are gathered first. (On a GPU a paged-attention kernel would do both in one call; on
-this CPU path the per-sequence calls cost less than gathering into a padded batch.)
+Queries arrive flat, `[num_tokens, num_heads, head_dim]`, sequence after sequence. Sequences are
+grouped by how many query tokens they bring (decode: 1; verify: 2..VERIFY_MAX; prefill chunks:
+more), and each group is ONE attention call per layer: its sequences' keys are gathered from the
+pool through a token table into a padded `[batch, max_len]` view and one batched SDPA runs with a
+per-row mask (key j is visible to query i of sequence b iff j <= cached_b + i). A group of ONE
+sequence whose blocks are consecutive reads its keys in place (a strided view of the pool, no
+gather), which is what a single stream pays. On CUDA, `engine/cuda_attention.py` gives the same
+interface on a paged-attention library.
+
+Batch invariance: SDPA's CPU kernel blocks its work by the number of queries and keys, so a
+row's output moves at the 1e-7 level (float32) with its batch-mates' lengths and with being a
+decode or a verify row (it did before batching too, between decode and verify). The projections
+are row-invariant (oneDNN), so greedy speculative output still equals plain decoding (tests).
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+VERIFY_MAX = 17          # query tokens up to this are grouped with speculative verifies
 
 
 @dataclass
@@ -27,67 +38,163 @@ class SeqSlice:
     num_query: int           # new tokens in this forward (positions num_cached..)
 
 
-class _Seq:
-    """How one sequence reads its keys: in place (consecutive blocks) or gathered."""
+class _Group:
+    """Sequences with similar query lengths, attended in one call per layer."""
 
-    def __init__(self, s: SeqSlice, start: int, in_place: bool, device):
-        self.tokens = slice(start, start + s.num_query)
-        self.length = s.num_cached + s.num_query
-        table = s.block_table
-        first = table[0]
-        self.window = None
-        if in_place and table == list(range(first, first + len(table))):
-            self.window = slice(first, first + len(table))
+    def __init__(self, members: list[int], seqs: list[SeqSlice], starts: list[int], tpb: int,
+                 flat: bool, in_place: bool, device):
+        ss = [seqs[i] for i in members]
+        self.window, self.causal, self.mask, self.batch = None, False, None, 0
+        lens = [s.num_cached + s.num_query for s in ss]
+        self.lk, nq = max(lens), [s.num_query for s in ss]
+        self.qmax = max(nq)
+        if len(ss) == 1:                      # one sequence: no padding, in place if it can be
+            s, t = ss[0], ss[0].block_table
+            self.rows = slice(starts[members[0]], starts[members[0]] + s.num_query)
+            if in_place and _consecutive(t):
+                self.window = slice(t[0], t[0] + len(t))
+            if s.num_query > 1 and s.num_cached == 0:
+                self.causal = True
+            elif s.num_query > 1:
+                q_pos = torch.arange(s.num_cached, self.lk, device=device)[:, None]
+                self.mask = torch.arange(self.lk, device=device)[None, :] <= q_pos
+            if self.window is not None:
+                return
+        maxb = -(-self.lk // tpb)
+        table = torch.tensor([s.block_table[:maxb] + [0] * (maxb - len(s.block_table[:maxb]))
+                              for s in ss], dtype=torch.long, device=device)
+        j = torch.arange(self.lk, device=device)
+        # Keys past a sequence's length are masked, but 0 * NaN is NaN: they read the sequence's
+        # own first token (always written) rather than slots that may never have been written.
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+        jj = torch.where(j[None, :] < lens_t[:, None], j[None, :], 0)    # [b, lk]
+        blk = table.gather(1, jj // tpb)
+        if flat:                                                     # token index into the pool
+            self.keys = (blk * tpb + jj % tpb).flatten()
         else:
-            self.blocks = torch.tensor(table, dtype=torch.long, device=device)
-        self.mask, self.causal = None, False
-        if s.num_query > 1 and s.num_cached == 0:
-            self.causal = True
-        elif s.num_query > 1:
-            q_pos = torch.arange(s.num_cached, self.length, device=device)[:, None]
-            self.mask = torch.arange(self.length, device=device)[None, :] <= q_pos  # [q, keys]
+            self.keys = (blk.flatten(), (jj % tpb).flatten())
+        if len(ss) == 1:
+            return                            # rows and causal/mask were set above
+        self.batch = len(ss)
+        start = torch.tensor([starts[i] for i in members], dtype=torch.long, device=device)
+        nq_t = torch.tensor(nq, dtype=torch.long, device=device)
+        cached = torch.tensor([s.num_cached for s in ss], dtype=torch.long, device=device)
+        i = torch.minimum(torch.arange(self.qmax, device=device)[None, :], (nq_t - 1)[:, None])
+        self.q_index = (start[:, None] + i).flatten()                # [b * qmax]; pads repeat a row
+        self.mask = (j[None, None, :] <= (cached[:, None] + i)[:, :, None])[:, None]  # [b,1,q,lk]
+        if self.qmax == 1:
+            self.valid, self.rows = None, self.q_index
+        else:
+            valid = torch.arange(self.qmax, device=device)[None, :] < nq_t[:, None]
+            self.valid = valid.flatten().nonzero().squeeze(1)
+            self.rows = self.q_index[self.valid]
 
-    def keys(self, cache: torch.Tensor) -> torch.Tensor:
-        """cache [num_blocks, tokens_per_block, kv_heads, d] -> [1, kv_heads, length, d]."""
-        blocks = cache[self.window] if self.window is not None else cache.index_select(0, self.blocks)
-        return blocks.flatten(0, 1)[:self.length].transpose(0, 1)[None]
+    def _gather(self, cache: torch.Tensor, workspace: dict | None, name: str) -> torch.Tensor:
+        """cache [num_blocks, tpb, kv_heads, d] -> [b, kv_heads, lk, d], into a reused buffer
+        (a fresh one per layer costs page faults: 2.7 against 1.45 ms a gather at batch 32)."""
+        if isinstance(self.keys, tuple):
+            g = cache[self.keys]
+        else:
+            n = self.keys.numel()
+            shape = (n, *cache.shape[2:])
+            buf = None if workspace is None else workspace.get(name)
+            if buf is None or buf.numel() < n * shape[1] * shape[2] or buf.dtype != cache.dtype:
+                buf = torch.empty(n * shape[1] * shape[2], dtype=cache.dtype, device=cache.device)
+                if workspace is not None:
+                    workspace[name] = buf
+            g = torch.index_select(cache.flatten(0, 1), 0, self.keys,
+                                   out=buf[:n * shape[1] * shape[2]].view(shape))
+        return g.view(-1, self.lk, *cache.shape[2:]).transpose(1, 2)
 
-    def run(self, q, k_cache, v_cache, out, scale):
-        query = q[self.tokens].transpose(0, 1)[None]                  # [1, heads, q, d]
-        o = F.scaled_dot_product_attention(query, self.keys(k_cache), self.keys(v_cache),
-                                           attn_mask=self.mask, is_causal=self.causal,
+    def run(self, q, k_cache, v_cache, out, scale, workspace) -> None:
+        if not self.batch:
+            if self.window is not None:
+                k = k_cache[self.window].flatten(0, 1)[:self.lk].transpose(0, 1)[None]
+                v = v_cache[self.window].flatten(0, 1)[:self.lk].transpose(0, 1)[None]
+            else:
+                k, v = self._gather(k_cache, workspace, "k"), self._gather(v_cache, workspace, "v")
+            query = q[self.rows].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(query, k, v, attn_mask=self.mask,
+                                               is_causal=self.causal, scale=scale, enable_gqa=True)
+            out[self.rows] = o[0].transpose(0, 1)
+            return
+        query = q.index_select(0, self.q_index).view(self.batch, self.qmax, *q.shape[1:])
+        o = F.scaled_dot_product_attention(query.transpose(1, 2),
+                                           self._gather(k_cache, workspace, "k"),
+                                           self._gather(v_cache, workspace, "v"), attn_mask=self.mask,
                                            scale=scale, enable_gqa=True)
-        out[self.tokens] = o[0].transpose(0, 1)
+        o = o.transpose(1, 2).reshape(-1, *q.shape[1:])             # [b * qmax, heads, d]
+        if self.valid is not None:
+            o = o.index_select(0, self.valid)
+        out.index_copy_(0, self.rows, o)
+
+
+def _consecutive(table: list[int]) -> bool:
+    return table == list(range(table[0], table[0] + len(table)))
+
+
+def _group_of(num_query: int) -> int:
+    return 0 if num_query == 1 else 1 if num_query <= VERIFY_MAX else 2
 
 
 class PagedAttention:
     """The `attn(layer, q, k, v)` callable a model's forward uses for one batch.
 
     layers: per layer, (k_cache, v_cache), each [num_blocks, tokens_per_block, kv_heads, d].
+    in_place: consecutive blocks are evenly strided (a sequence's keys are a strided view, and
+    the pool's tokens of one layer are a flat strided view).
     """
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], seqs: list[SeqSlice],
-                 scale: float, in_place: bool = True):
+                 scale: float, in_place: bool = True, workspace: dict | None = None,
+                 per_sequence: bool | None = None):
+        """workspace: buffers kept by the caller across forwards (gathers reuse them).
+        per_sequence: attend in-place sequences one by one (None: when torch has one thread)."""
         self.layers, self.scale = layers, scale
+        self.workspace = {} if workspace is None else workspace
         k_cache = layers[0][0]
         tpb, device = k_cache.shape[1], k_cache.device
-        blocks, offsets, self.seqs = [], [], []
+        # One layer's tokens as a flat strided view (so slots and key tables are token indices).
+        self.flat = in_place and k_cache.stride(0) == tpb * k_cache.stride(1)
+        starts, blocks, offsets, groups = [], [], [], ([], [], [])
         start = 0
-        for s in seqs:
+        for i, s in enumerate(seqs):
+            if s.num_query < 1:
+                raise ValueError("every sequence in a forward brings at least one token")
+            starts.append(start)
+            t = s.block_table
             for pos in range(s.num_cached, s.num_cached + s.num_query):
-                blocks.append(s.block_table[pos // tpb])
+                blocks.append(t[pos // tpb])
                 offsets.append(pos % tpb)
-            self.seqs.append(_Seq(s, start, in_place, device))
+            groups[_group_of(s.num_query)].append(i)
             start += s.num_query
         self.num_tokens = start
-        self.slot_block = torch.tensor(blocks, dtype=torch.long, device=device)    # [num_tokens]
-        self.slot_offset = torch.tensor(offsets, dtype=torch.long, device=device)  # [num_tokens]
+        # With one thread, sequences whose blocks are consecutive are attended one by one in
+        # place: gathering them costs more than the calls it saves (batch-32 decode forward,
+        # CPU time: 100-110 ms per sequence against 116-123 ms batched). With more threads every
+        # call is a parallel region, and one batched call per layer wins (450-475 ms of CPU
+        # against 1,200-1,500 here, on a loaded machine).
+        one_thread = per_sequence if per_sequence is not None else (
+            device.type == "cpu" and torch.get_num_threads() == 1)
+        self.groups = []
+        for g in filter(None, groups):
+            if one_thread and in_place and all(_consecutive(seqs[i].block_table) for i in g):
+                self.groups += [_Group([i], seqs, starts, tpb, self.flat, in_place, device) for i in g]
+            else:
+                self.groups.append(_Group(g, seqs, starts, tpb, self.flat, in_place, device))
+        block = torch.tensor(blocks, dtype=torch.long, device=device)
+        offset = torch.tensor(offsets, dtype=torch.long, device=device)
+        self.slots = block * tpb + offset if self.flat else (block, offset)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.layers[layer]
-        k_cache[self.slot_block, self.slot_offset] = k
-        v_cache[self.slot_block, self.slot_offset] = v
+        if self.flat:
+            k_cache.flatten(0, 1).index_copy_(0, self.slots, k)
+            v_cache.flatten(0, 1).index_copy_(0, self.slots, v)
+        else:
+            k_cache.index_put_(self.slots, k)
+            v_cache.index_put_(self.slots, v)
         out = torch.empty_like(q)
-        for s in self.seqs:
-            s.run(q, k_cache, v_cache, out, self.scale)
+        for g in self.groups:
+            g.run(q, k_cache, v_cache, out, self.scale, self.workspace)
         return out.flatten(1)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 class EngineConfig:
     target: str                          # local Hugging Face folder
     draft: str | None = None             # None: baseline only
-    dtype: str = "float32"
+    dtype: str = "auto"                  # weights and KV; "auto": bfloat16 where the device
+                                         # computes it natively (GPU, AMX CPU), else float32
     device: str = "cpu"
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget

@@ -35,6 +35,7 @@ class ModelRunner:
         self.peers = peers
         self.scale = forward.shape.head_dim ** -0.5
         self.device = forward.device
+        self.workspace: dict = {}         # attention's gather buffers, reused across steps
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],
@@ -53,5 +54,5 @@ class ModelRunner:
         """The forward alone (what every rank of a tensor-parallel group runs)."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        attn = PagedAttention(self.layers, seqs, self.scale, self.in_place)
+        attn = PagedAttention(self.layers, seqs, self.scale, self.in_place, self.workspace)
         return self.forward.forward(ids, pos, attn)

@@ -67,7 +67,7 @@ def _split(weight: torch.Tensor, style: str, rank: int, world: int) -> torch.Ten
     return weight.chunk(world, dim=dim)[rank].contiguous()
 
 
-def _cpu_kernel() -> str:
+def _cpu_kernel(dtype: torch.dtype = torch.float32) -> str:
     """How projections run on CPU, measured on this project's 2-core AMD machine (fp32):
 
     - "onednn": oneDNN with weights prepacked once (the kernel torch.compile's CPU backend
@@ -77,13 +77,16 @@ def _cpu_kernel() -> str:
       143 us; one row 51 against 42). Verifying k + 1 tokens is then nearly free, as on a GPU.
     - "mkl": [in, out] weights through MKL (x @ W), 1.2-2.7x faster than F.linear's [out, in]
       at one row; the fallback where the oneDNN ops are missing.
+    - bfloat16: oneDNN prepacked where the CPU has bf16 kernels (AVX512-BF16/AMX); elsewhere
+      F.linear ("torch"), 3-4x faster than x @ W in emulated bf16 (and both ~8x slower than fp32,
+      which is why dtype "auto" picks float32 on such CPUs).
     """
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), None)
-        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), w, None, "none", [], "")
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), w, None, "none", [], "")
         return "onednn"
     except (AttributeError, RuntimeError, NotImplementedError):
-        return "mkl"
+        return "mkl" if dtype == torch.float32 else "torch"
 
 
 def _prepare(weight: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -153,8 +156,8 @@ class LlamaForward:
         self.final_norm = base.norm.weight.data
         self.lm_head = hf_model.lm_head.weight.data
         self.layers = [LlamaLayerWeights(layer, plan, rank, world) for layer in base.layers]
-        on_cpu, fp32 = self.embed.device.type == "cpu", self.embed.dtype == torch.float32
-        self.kernel = "torch" if not on_cpu else _cpu_kernel() if fp32 else "mkl"
+        on_cpu = self.embed.device.type == "cpu"
+        self.kernel = _cpu_kernel(self.embed.dtype) if on_cpu else "torch"
         self.lm_head = _prepare(self.lm_head, self.kernel)
         for w in self.layers:
             w.qkv, w.o_proj = _prepare(w.qkv, self.kernel), _prepare(w.o_proj, self.kernel)

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# GPU check: on a machine with CUDA, run the engine's CUDA tests and `specserve bench engine
+# --device cuda`, in under 8 minutes. Every stage has its own timeout and logs to $OUT (if set)
+# or ./gpu-check-out. A failing stage is reported and the next one still runs; the exit status
+# is the number of failed stages.
+#
+#   PYTHON=python3        interpreter with torch (CUDA) and transformers (default: python3)
+#   FAMILY=path           model family (target/, draft/); default: shared/models/reference-py if
+#                         present, else ./demo-family if complete, else a demo family trained
+#                         here for ~150 s (models build-demo --device cuda), else a random tiny one
+#   DTYPE=bfloat16        bench dtype (default bfloat16)
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu-check-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+set -x
+PY=${PYTHON:-python3}
+DTYPE=${DTYPE:-bfloat16}
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+FAILED=0
+stage() { echo; echo "=== stage: $* ($(date -u +%T))"; }
+fail() { echo "!!! stage failed: $*"; FAILED=$((FAILED + 1)); }
+
+stage "environment"
+nvidia-smi || true
+timeout 60 "$PY" - <<'EOF' || fail environment
+import torch, transformers
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+print("transformers", transformers.__version__)
+assert torch.cuda.is_available(), "no CUDA device"
+print(torch.cuda.get_device_name(0), torch.cuda.mem_get_info())
+for lib in ("flashinfer", "flash_attn"):
+    try:
+        __import__(lib); print(lib, "importable")
+    except ImportError:
+        print(lib, "absent (torch SDPA fallback)")
+EOF
+
+stage "CUDA tests (pytest -m gpu)"
+if timeout 20 "$PY" -c "import pytest" 2>/dev/null; then
+    timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_gpu.py \
+        --junitxml="$OUT/gpu-tests.xml" || fail "gpu tests"
+else
+    echo "pytest is not installed for $PY: running the same checks without it"
+    timeout 180 "$PY" scripts/gpu_tests_nopytest.py || fail "gpu tests (no pytest)"
+fi
+
+stage "model family"
+FAM=${FAMILY:-}
+if [ -z "$FAM" ] && [ -f shared/models/reference-py/target/config.json ]; then
+    FAM=shared/models/reference-py
+fi
+if [ -z "$FAM" ] && [ -f demo-family/target/config.json ] && [ -f demo-family/draft/config.json ]; then
+    FAM=demo-family
+fi
+if [ -z "$FAM" ]; then
+    timeout 200 "$PY" -m cluster models build-demo --device cuda --budget-s 150 \
+        --out "$ROOT/gpu-demo-family" && FAM=$ROOT/gpu-demo-family || fail "build-demo"
+fi
+if [ -z "$FAM" ]; then
+    timeout 150 "$PY" -c "
+import sys; sys.path.insert(0, 'tests')
+from tiny_models import make_family
+make_family('$ROOT/gpu-tiny-family')" && FAM=$ROOT/gpu-tiny-family || fail "tiny family"
+fi
+echo "family: $FAM"
+
+stage "bench engine --device cuda ($DTYPE)"
+if [ -n "$FAM" ]; then
+    timeout 240 "$PY" -m cluster bench engine --family "$FAM" --device cuda --dtype "$DTYPE" \
+        --threads 2 --prompts 3 --new-tokens 128 --k-max 6 --batches 1,4,16,32,64 \
+        --json "$OUT/bench-cuda-$DTYPE.json" || fail "bench engine"
+fi
+
+stage "done: $FAILED failed stage(s)"
+exit "$FAILED"
