@@ -22,6 +22,9 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench engine", "cluster.bench_engine", "benchmark the engine side by side with transformers"),
     ("simulate", "cluster.simulate", "run the capacity simulator on a scenario"),
     ("keys add", "cluster.keys", "create an API key bound to a pricing plan"),
+    ("draft distill", "cluster.draft_cli", "distil the draft (or small model) on the target's outputs with DeepSpeed"),
+    ("draft prompts", "cluster.draft_prompts", "write the built-in code/prose/chat prompt set"),
+    ("draft bench", "cluster.draft_bench", "single-stream speculative speed-up per prompt class, drafts side by side"),
 ]
 
 
