@@ -23,6 +23,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("simulate", "cluster.simulate", "run the capacity simulator on a scenario"),
     ("keys add", "cluster.keys", "create an API key bound to a pricing plan"),
     ("draft distill", "cluster.draft_cli", "distil the draft (or small model) on the target's outputs with DeepSpeed"),
+    ("draft swap", "cluster.draft_swap", "swap a distilled draft into the running target replicas"),
+    ("draft rollback", "cluster.draft_swap", "return the target replicas to their previous draft"),
     ("draft prompts", "cluster.draft_prompts", "write the built-in code/prose/chat prompt set"),
     ("draft bench", "cluster.draft_bench", "single-stream speculative speed-up per prompt class, drafts side by side"),
 ]

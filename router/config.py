@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.capture import CaptureConfig
+
 TIERS = ("speculative", "baseline", "small")
 PLANS = ("premium", "standard", "economy", "auto")
 
@@ -106,6 +108,8 @@ class AppConfig(_Strict):
     stats: StatsConfig = Field(default_factory=StatsConfig)
     policy: dict[str, Any] = Field(default_factory=dict, description="kwargs for the policy's config")
     ingress_num_cpus: float = Field(0.1, ge=0)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig,
+                                   description="opt-in prompt capture for draft distillation")
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from router import policy
+from router.capture import CaptureBuffer, chat_text
 from router.config import AppConfig
 from router.keys import KeyStore
 from router.live_stats import LiveStats, to_cluster_stats
@@ -93,6 +94,7 @@ class Ingress:
         self.acceptance_by_class: dict[str, float] = {}     # per-token a, EWMA per class
         self.recent_acceptance: deque[float] = deque(maxlen=64)  # a of finished spec requests
         self.recent_lengths: deque[tuple[int, int]] = deque(maxlen=64)  # (prompt, output)
+        self.capture = CaptureBuffer(self.cfg.capture)      # off unless the config opts in
         self.retry_after = str(max(1, math.ceil(self.cfg.limits.retry_after_s)))
         self.m_decisions = metrics.Counter("specserve_tier_decisions", tag_keys=("tier", "reason"),
                                            description="Tier decisions by tier and reason.")
@@ -104,6 +106,12 @@ class Ingress:
             self.live.start()
         except RuntimeError:    # no running loop here: the first health check or request starts it
             pass
+
+    def draft_swapped(self) -> dict:
+        """A new draft serves now: per-class acceptance learnt on the old one no longer holds."""
+        old, self.acceptance_by_class = self.acceptance_by_class, {}
+        self.recent_acceptance.clear()
+        return {"reset_classes": sorted(old)}
 
     # -- plumbing -----------------------------------------------------------------------------
     def _auth(self, request: Request) -> str:
@@ -228,6 +236,8 @@ class Ingress:
                 text, prompt_len = body.prompt, len(body.prompt) // 4
             tier, k_max, reason, prompt_class = self._decide(plan, body, text, prompt_len,
                                                              sampling["max_tokens"])
+            self.capture.offer(plan, chat_text(messages) if chat else text, prompt_class,
+                               self.acceptance_by_class)
             request_id = new_id("chatcmpl" if chat else "cmpl")
             gen_req = GenerateRequest(
                 request_id=request_id, tier=tier, k_max=k_max, sampling=sampling,
