@@ -107,5 +107,19 @@ def run(args) -> int:
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"specserve draft distill: {exc}", file=sys.stderr)
         return 1
+    write_heldout_prompts(args, data)
     print(json.dumps(report["heldout"]["delta"]))
     return 0
+
+
+def write_heldout_prompts(args, data) -> None:
+    """OUT/heldout_prompts.jsonl: the held-out prompts as text, for `specserve draft bench`."""
+    from models.distill import split_heldout
+    from models.distill_prompts import write_prompts
+    from models.loader import load_tokenizer
+
+    tok = load_tokenizer(args.target)
+    _, held = split_heldout(data.classes, args.heldout, args.seed)
+    rows = [{"prompt": tok.decode(data.tokens[i, :int(data.prompt_lens[i])].tolist()),
+             "class": data.classes[i]} for i in held]
+    write_prompts(Path(args.out) / "heldout_prompts.jsonl", rows)

@@ -98,3 +98,18 @@ def test_prompt_file_errors_are_clear(tmp_path):
     bad.write_text('{"text": "no prompt key"}\n')
     with pytest.raises(ValueError, match="prompt"):
         read_prompts(bad)
+
+
+def test_swap_guard_refuses_a_class_that_got_worse(tmp_path):
+    from cluster.draft_swap import guard
+
+    def report(after_chat):
+        (tmp_path / "distill.json").write_text(json.dumps({"heldout": {
+            "before": {"chat": {"acceptance": 0.50}, "code": {"acceptance": 0.70}},
+            "after": {"chat": {"acceptance": after_chat}, "code": {"acceptance": 0.69}}}}))
+        return guard(tmp_path)
+
+    assert report(0.65) == []                      # code -0.01 is within 0.02
+    assert "chat" in report(0.47)[0]               # chat -0.03 is refused
+    (tmp_path / "distill.json").unlink()
+    assert "distill.json" in guard(tmp_path)[0]
