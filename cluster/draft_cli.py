@@ -32,20 +32,21 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-prompt-tokens", type=int, default=96)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch for the continuations")
     p.add_argument("--top-k", type=int, default=64, help="teacher log-probs cached per position")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the default config")
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch of the default config")
 
 
 def generate(target: str, prompts: list[list[int]], new_tokens: int, temperature: float,
-             seed: int, threads: int, log=print) -> list[list[int]]:
+             seed: int, threads: int, log=print, max_num_seqs: int = 32) -> list[list[int]]:
     """The target's continuation of every prompt, through the engine (baseline mode, batched)."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import Mode, RequestOptions, SamplingParams
 
     engine = LLMEngine(EngineConfig(target=target, profile=False, num_threads=threads,
-                                    max_num_seqs=32, max_waiting=len(prompts) + 1, seed=seed))
+                                    max_num_seqs=max_num_seqs, max_waiting=len(prompts) + 1, seed=seed))
     outs: dict[str, list[int]] = {}
     for i, ids in enumerate(prompts):
         params = SamplingParams(temperature=temperature, max_tokens=new_tokens, seed=seed * 100_003 + i)
@@ -80,7 +81,8 @@ def prepare_data(args, log=print):
     keep = [i for i, x in enumerate(ids) if x]
     prompts = [ids[i] for i in keep for _ in range(args.samples)]
     classes = [rows[i]["class"] for i in keep for _ in range(args.samples)]
-    conts = generate(args.target, prompts, args.new_tokens, args.temperature, args.seed, args.threads, log)
+    conts = generate(args.target, prompts, args.new_tokens, args.temperature, args.seed, args.threads,
+                     log, args.max_num_seqs)
     data = DistillData.from_rows([(p, c, k) for p, c, k in zip(prompts, conts, classes) if c])
     out.mkdir(parents=True, exist_ok=True)
     data.save(cache)
