@@ -23,6 +23,9 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--k-max", type=int, default=6)
+    p.add_argument("--fixed-k", action="store_true",
+                   help="draft k_max every step (no profile, no adaptive k): the drafts compared "
+                        "at the same k, whatever a noisy profile would have chosen")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the results here")
 
@@ -43,7 +46,8 @@ def bench_draft(target: str, draft: str, prompts: list[dict], args) -> dict:
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import Mode, RequestOptions, SamplingParams
 
-    engine = LLMEngine(EngineConfig(target=target, draft=draft, num_threads=args.threads))
+    engine = LLMEngine(EngineConfig(target=target, draft=draft, num_threads=args.threads,
+                                    adaptive_k=not args.fixed_k, profile=not args.fixed_k))
     tok = engine.tokenizer
     result: dict[str, dict] = {}
     for cls in sorted({p["class"] for p in prompts}):
@@ -83,7 +87,7 @@ def run(args) -> int:
         results[label] = bench_draft(args.target, path, prompts, args)
         print(label, json.dumps(results[label]))
     record = {"target": args.target, "temperature": args.temperature, "new_tokens": args.new_tokens,
-              "threads": args.threads, "per_class": args.per_class, "results": results}
+              "threads": args.threads, "fixed_k": args.fixed_k, "k_max": args.k_max, "per_class": args.per_class, "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
     return 0
