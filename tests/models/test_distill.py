@@ -91,6 +91,11 @@ def test_top_k_cache_keeps_the_tail_as_one_bucket():
     assert 0 <= kl_top <= kl_full + 1e-6     # a coarser partition: KL never larger, never < 0
     _, same = distill_loss(teacher.clone(), top.values, top.indices, targets, mask, 1.0, 0.0)
     assert abs(same) < 1e-4
+    # A student that matches the top-k and drops the tail is not a perfect student: without the
+    # tail bucket the truncated KL would call it better than perfect (negative).
+    greedy = torch.full_like(teacher, -30.0).scatter(-1, top.indices, top.values)
+    _, tailless = distill_loss(greedy, top.values, top.indices, targets, mask, 1.0, 0.0)
+    assert tailless > 1.0
 
 
 def test_prompt_file_errors_are_clear(tmp_path):
