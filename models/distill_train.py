@@ -112,7 +112,10 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
         logits = engine(input_ids=inputs).logits
         loss, kl = distill_loss(logits, v, i, labels, mask, temperature)
         engine.backward(loss.to(dtype) if dtype else loss)
+        before_step = engine.global_steps
         engine.step()
+        if engine.global_steps == before_step and not engine.skipped_steps:
+            raise RuntimeError("DeepSpeed's engine did not advance its step count")
         recent = (recent + [kl])[-20:]
         bar.set_postfix(step=engine.global_steps, kl=f"{sum(recent) / len(recent):.3f}", refresh=False)
         bar.update(1) if steps else bar.update(round(time.monotonic() - start) - bar.n)
