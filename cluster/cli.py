@@ -31,6 +31,11 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("keys revoke", "cluster.keys", "revoke an API key (refused within seconds)"),
     ("keys rotate", "cluster.keys", "give a key a new secret; the old one stops working"),
     ("usage", "cluster.usage", "usage and revenue per key, plan, tier and day from the ledger"),
+    ("draft distill", "cluster.draft_cli", "distil the draft (or small model) on the target's outputs with DeepSpeed"),
+    ("draft swap", "cluster.draft_swap", "swap a distilled draft into the running target replicas"),
+    ("draft rollback", "cluster.draft_swap", "return the target replicas to their previous draft"),
+    ("draft prompts", "cluster.draft_prompts", "write the built-in code/prose/chat prompt set"),
+    ("draft bench", "cluster.draft_bench", "single-stream speculative speed-up per prompt class, drafts side by side"),
 ]
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 from typing import AsyncIterator
 
 from deployments.metrics import ReplicaMetrics
@@ -154,6 +155,30 @@ class EngineServer:
         """TEST ONLY: arm a real fault in the engine (refused unless the tier's engine_args set
         fault_injection: true; see engine/faults.py)."""
         self.engine.inject_fault(kind, count)
+
+    async def swap_draft(self, path: str | None = None, rollback: bool = False) -> dict:
+        """Swap the colocated draft in place, between two engine steps (requests keep running;
+        see notes/issue12.md for why not a Serve rolling update). The drafts it replaced are kept
+        as a stack: `rollback=True` returns to the previous one."""
+        history = self.__dict__.setdefault("draft_history", [])
+        current = str(self.engine.engine.draft_model.path) if self.engine.engine.draft_model else None
+        if current is None:
+            raise TierError(400, "this replica runs no draft to swap")
+        if rollback:
+            if not history:
+                raise TierError(409, "no previous draft to roll back to")
+            path = history[-1]
+        elif str(Path(path).resolve()) == current:     # already serving it: a no-op
+            return {"previous": current, "draft": current, "history": list(history),
+                    "pid": os.getpid(), "swapped": False}
+        try:
+            await asyncio.to_thread(self.engine.swap_draft, path)
+        except ValueError as exc:           # ModelLoadError too: vocabulary, tokenizer, KV shape
+            raise TierError(400, str(exc)) from None
+        history.pop() if rollback else history.append(current)
+        logger.info("draft swapped: %s -> %s", current, path)
+        return {"previous": current, "draft": str(self.engine.engine.draft_model.path),
+                "history": list(history), "pid": os.getpid(), "swapped": True}
 
     def __del__(self):
         try:

@@ -84,6 +84,12 @@ class AsyncEngine:
         with self._lock:
             return self.engine.snapshot()
 
+    def swap_draft(self, path: str) -> None:
+        """Load a new draft beside the running one, then swap it in between two steps."""
+        loaded = self.engine.load_draft(path)       # seconds: outside the lock, steps go on
+        with self._lock:
+            self.engine.swap_draft(loaded)
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()

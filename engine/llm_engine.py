@@ -99,6 +99,7 @@ class LLMEngine:
         self._accepted_ewma, self._trials_ewma = config.prior_acceptance, 1.0
         self._steps_without_draft = 0
         self.seqs: dict[str, Sequence] = {}
+        self.draft_swaps = 0
         self.detok: dict[str, Detokenizer] = {}
 
     def _weight_bytes(self) -> int:
@@ -305,6 +306,34 @@ class LLMEngine:
                              num_draft_tokens=seq.num_draft_tokens,
                              num_accepted_tokens=seq.num_accepted,
                              reason=seq.reason)
+
+    # ---- draft swap (between steps) ---------------------------------------------------------
+    def load_draft(self, path: str):
+        """Load and check a new draft, without touching the running one (slow: do it outside
+        the step lock). Refused: another vocabulary or tokenizer, or another KV shape (the pool
+        is laid out for the current draft's layers, KV heads and head size)."""
+        new = load_model(path, self.config.dtype, self.config.device)
+        check_compatible(self.target_model, new)
+        forward = LlamaForward(new.model)
+        old = self.draft_fw.shape if self.draft_fw else None
+        s = forward.shape
+        if old is None or (s.num_layers, s.num_kv_heads, s.head_dim) != (old.num_layers, old.num_kv_heads, old.head_dim):
+            raise ValueError(f"draft {path} has another KV shape ({s.num_layers} layers, {s.num_kv_heads} "
+                             f"KV heads of {s.head_dim}) than the running draft: restart the replica")
+        return new, forward
+
+    def swap_draft(self, loaded) -> None:
+        """Run the next steps with a new draft (from `load_draft`). Every running sequence drops
+        its draft KV (computed by the old weights) and re-prefills it when it next drafts; the
+        acceptance estimate restarts from the prior. Output stays the target's (lossless)."""
+        new, forward = loaded
+        self.draft_model, self.draft_fw = new, forward
+        pool = self.pool
+        self.draft = ModelRunner(forward, pool.view(pool.draft), pool.evenly_strided(pool.draft))
+        for seq in self.seqs.values():
+            self.scheduler._free_draft(seq)
+        self._accepted_ewma, self._trials_ewma = self.config.prior_acceptance, 1.0
+        self.draft_swaps += 1
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

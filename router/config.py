@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.capture import CaptureConfig
+
 TIERS = ("speculative", "baseline", "small")
 PLANS = ("premium", "standard", "economy", "auto")
 
@@ -141,6 +143,8 @@ class AppConfig(_Strict):
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     plans: dict[str, PlanLimits] = Field(default_factory=dict, description="rate limits per plan")
     ingress_num_cpus: float = Field(0.1, ge=0)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig,
+                                   description="opt-in prompt capture for draft distillation")
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

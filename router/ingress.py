@@ -38,6 +38,7 @@ from starlette.responses import Response
 from router import admin, policy
 from router.accounting import Accounting
 from router.admission import Admission
+from router.capture import CaptureBuffer, chat_text
 from router.config import AppConfig
 from router.live_stats import LiveStats, to_cluster_stats
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
@@ -111,6 +112,7 @@ class Ingress:
         self.acceptance_by_class: dict[str, float] = {}     # per-token a, EWMA per class
         self.recent_acceptance: deque[float] = deque(maxlen=64)  # a of finished spec requests
         self.recent_lengths: deque[tuple[int, int]] = deque(maxlen=64)  # (prompt, output)
+        self.capture = CaptureBuffer(self.cfg.capture)      # off unless the config opts in
         self.retry_after = str(max(1, math.ceil(self.cfg.limits.retry_after_s)))
         self.admission = Admission(self.cfg.limits.max_in_flight, self.retry_after)
         self.m_decisions = metrics.Counter("specserve_tier_decisions", tag_keys=("tier", "reason"),
@@ -128,6 +130,12 @@ class Ingress:
             self.live.start()
         except RuntimeError:    # no running loop here: the first health check or request starts it
             pass
+
+    def draft_swapped(self) -> dict:
+        """A new draft serves now: per-class acceptance learnt on the old one no longer holds."""
+        old, self.acceptance_by_class = self.acceptance_by_class, {}
+        self.recent_acceptance.clear()
+        return {"reset_classes": sorted(old)}
 
     # -- plumbing -----------------------------------------------------------------------------
     def _auth(self, request: Request) -> tuple[str, object]:
@@ -270,6 +278,8 @@ class Ingress:
                 text, prompt_len = body.prompt, len(body.prompt) // 4
             tier, k_max, reason, prompt_class = self._decide(plan, body, text, prompt_len,
                                                              sampling["max_tokens"])
+            self.capture.offer(plan, chat_text(messages) if chat else text, prompt_class,
+                               self.acceptance_by_class)
             charge = await self.accounts.admit(request_id, key, plan, _endpoint_plan(request), api,
                                                tier, reason, prompt_len + sampling["max_tokens"])
             gen_req = GenerateRequest(

@@ -1,0 +1,127 @@
+"""`specserve draft distill`: the target writes continuations, DeepSpeed trains the draft on them.
+
+The target's continuations come from the project's engine (batched, baseline mode, sampled at the
+temperature the draft will serve at), cached in OUT/data.pt so a resumed run skips them; the
+training is `models/distill_train.py`. `specserve draft prompts` writes the built-in prompt set.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--target", required=True, help="target HF folder (the teacher)")
+    p.add_argument("--draft", required=True, help="the draft (or small model) to start from")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help="JSONL file of {'prompt', 'class'} rows")
+    src.add_argument("--from-buffer", help="a traffic-capture buffer folder (router/capture.py)")
+    p.add_argument("--out", required=True, help="output HF folder (also holds checkpoints, report)")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--minutes", type=float, help="training time budget (resumes count it)")
+    budget.add_argument("--steps", type=int, help="DeepSpeed optimizer steps in total")
+    p.add_argument("--role", choices=("draft", "small"), default="draft")
+    p.add_argument("--ds-config", help="DeepSpeed JSON config (ZeRO stage, offload, bf16, optimizer)")
+    p.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature served")
+    p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt")
+    p.add_argument("--samples", type=int, default=1, help="target continuations per prompt")
+    p.add_argument("--heldout", type=float, default=0.15, help="fraction of prompts held out per class")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-prompt-tokens", type=int, default=96)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch for the continuations")
+    p.add_argument("--top-k", type=int, default=64, help="teacher log-probs cached per position")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the default config")
+    p.add_argument("--batch-size", type=int, default=8, help="micro-batch of the default config")
+
+
+def generate(target: str, prompts: list[list[int]], new_tokens: int, temperature: float,
+             seed: int, threads: int, log=print, max_num_seqs: int = 32) -> list[list[int]]:
+    """The target's continuation of every prompt, through the engine (baseline mode, batched)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import Mode, RequestOptions, SamplingParams
+
+    engine = LLMEngine(EngineConfig(target=target, profile=False, num_threads=threads,
+                                    max_num_seqs=max_num_seqs, max_waiting=len(prompts) + 1, seed=seed))
+    outs: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, max_tokens=new_tokens, seed=seed * 100_003 + i)
+        engine.add_request(str(i), ids, params, RequestOptions(mode=Mode.BASELINE))
+        outs[str(i)] = []
+    from tqdm.auto import tqdm
+
+    start = time.monotonic()
+    bar = tqdm(total=len(prompts), unit="prompt", desc="target continuations")
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.token_ids
+            bar.update(int(out.finished))
+    bar.close()
+    n = sum(map(len, outs.values()))
+    log(f"target generated {n} tokens for {len(prompts)} prompts in {time.monotonic() - start:.0f} s")
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+def prepare_data(args, log=print):
+    from models.distill import DistillData
+    from models.distill_prompts import read_prompts
+    from models.loader import load_tokenizer
+
+    out = Path(args.out)
+    cache = out / "data.pt"
+    if cache.exists():
+        return DistillData.load(cache)
+    rows = read_prompts(args.prompts or args.from_buffer)
+    tok = load_tokenizer(args.target)
+    ids = [tok(r["prompt"])["input_ids"][-args.max_prompt_tokens:] for r in rows]
+    keep = [i for i, x in enumerate(ids) if x]
+    prompts = [ids[i] for i in keep for _ in range(args.samples)]
+    classes = [rows[i]["class"] for i in keep for _ in range(args.samples)]
+    conts = generate(args.target, prompts, args.new_tokens, args.temperature, args.seed, args.threads,
+                     log, args.max_num_seqs)
+    data = DistillData.from_rows([(p, c, k) for p, c, k in zip(prompts, conts, classes) if c])
+    out.mkdir(parents=True, exist_ok=True)
+    data.save(cache)
+    return data
+
+
+def run(args) -> int:
+    import torch
+
+    from models.distill import default_ds_config
+    from models.distill_train import run_distill
+    from models.loader import ModelLoadError
+
+    torch.set_num_threads(args.threads)
+    try:
+        config = default_ds_config(args.batch_size, args.lr)
+        if args.ds_config:
+            config = json.loads(Path(args.ds_config).read_text())
+        data = prepare_data(args)
+        report = run_distill(args.target, args.draft, data, args.out, args.temperature,
+                             steps=args.steps, minutes=args.minutes, ds_config=config,
+                             heldout=args.heldout, seed=args.seed, role=args.role,
+                             top_k=args.top_k)
+    except (ModelLoadError, ValueError, OSError) as exc:
+        print(f"specserve draft distill: {exc}", file=sys.stderr)
+        return 1
+    write_heldout_prompts(args, data)
+    print(json.dumps(report["heldout"]["delta"]))
+    return 0
+
+
+def write_heldout_prompts(args, data) -> None:
+    """OUT/heldout_prompts.jsonl: the held-out prompts as text, for `specserve draft bench`."""
+    from models.distill import split_heldout
+    from models.distill_prompts import write_prompts
+    from models.loader import load_tokenizer
+
+    tok = load_tokenizer(args.target)
+    _, held = split_heldout(data.classes, args.heldout, args.seed)
+    rows = [{"prompt": tok.decode(data.tokens[i, :int(data.prompt_lens[i])].tolist()),
+             "class": data.classes[i]} for i in held]
+    write_prompts(Path(args.out) / "heldout_prompts.jsonl", rows)

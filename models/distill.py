@@ -1,0 +1,209 @@
+"""Distil a draft (or the small tier) on the target's own continuations, with DeepSpeed.
+
+Owns: the distillation data (prompt + target continuation token rows, the target's top-k
+log-probabilities over them, cached once), the DeepSpeed engine that trains the student (its
+config: ZeRO stage, offload, bf16, optimizer, scheduler; its checkpoints, so a run resumes), the
+loss (forward KL to the target at the serving temperature plus a little cross-entropy), held-out
+acceptance per prompt class, and the output: a standard Hugging Face folder with the target's
+tokenizer. Does not own: generating the continuations (the engine does it; `cluster/draft_cli.py`
+wires them), prompts (`models/distill_prompts.py`), nor serving or swapping the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+TOP_K = 64          # teacher log-probs kept per position (their mass is reported)
+CE_WEIGHT = 0.1
+
+
+@dataclass
+class DistillData:
+    """Rows of `prompt + continuation` token ids, right-padded, with what the loss may read."""
+    tokens: torch.Tensor        # [rows, length] int64, padded with 0
+    lengths: torch.Tensor       # [rows] real tokens per row
+    prompt_lens: torch.Tensor   # [rows] prompt tokens per row (the continuation follows)
+    classes: list[str]          # [rows]
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[list[int], list[int], str]]) -> "DistillData":
+        length = max(len(p) + len(c) for p, c, _ in rows)
+        tokens = torch.zeros(len(rows), length, dtype=torch.long)
+        for i, (p, c, _) in enumerate(rows):
+            tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
+        return cls(tokens, torch.tensor([len(p) + len(c) for p, c, _ in rows]),
+                   torch.tensor([len(p) for p, _, _ in rows]), [r[2] for r in rows])
+
+    def subset(self, index: list[int]) -> "DistillData":
+        idx = torch.tensor(index, dtype=torch.long)
+        return DistillData(self.tokens[idx], self.lengths[idx], self.prompt_lens[idx],
+                           [self.classes[i] for i in index])
+
+    def loss_mask(self, completion_only: bool = False) -> torch.Tensor:
+        """[rows, length - 1]: position t predicts token t + 1; True where that token is real
+        (and, with `completion_only`, a continuation token)."""
+        pos = torch.arange(self.tokens.shape[1] - 1)[None, :]
+        mask = pos + 1 < self.lengths[:, None]
+        if completion_only:
+            mask &= pos + 1 >= self.prompt_lens[:, None]
+        return mask
+
+    def save(self, path: Path) -> None:
+        torch.save({"tokens": self.tokens, "lengths": self.lengths, "prompt_lens": self.prompt_lens,
+                    "classes": self.classes}, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "DistillData":
+        d = torch.load(path)
+        return cls(d["tokens"], d["lengths"], d["prompt_lens"], d["classes"])
+
+
+def split_heldout(classes: list[str], fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(train, held-out) row indices; every class keeps at least one held-out row."""
+    g = torch.Generator().manual_seed(seed)
+    train, held = [], []
+    for cls in sorted(set(classes)):
+        rows = [i for i, c in enumerate(classes) if c == cls]
+        rows = [rows[j] for j in torch.randperm(len(rows), generator=g).tolist()]
+        n = max(1, round(len(rows) * fraction)) if len(rows) > 1 else 0
+        held += rows[:n]
+        train += rows[n:]
+    return sorted(train), sorted(held)
+
+
+@torch.no_grad()
+def teacher_topk(teacher, data: DistillData, temperature: float, k: int = TOP_K,
+                 batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The target's top-k log-probs at `temperature`, [rows, length - 1, k] (fp16 values,
+    int32 ids), and the mean probability mass they cover on real positions."""
+    rows, length = data.tokens.shape
+    values = torch.zeros(rows, length - 1, k, dtype=torch.float16)
+    ids = torch.zeros(rows, length - 1, k, dtype=torch.int32)
+    mask = data.loss_mask()
+    for s in range(0, rows, batch_size):
+        logits = teacher(input_ids=data.tokens[s:s + batch_size]).logits[:, :-1].float()
+        logp = F.log_softmax(logits / temperature, dim=-1)
+        top = logp.topk(k, dim=-1)
+        values[s:s + batch_size], ids[s:s + batch_size] = top.values.half(), top.indices.int()
+    mass = values.float().exp().sum(-1)[mask].mean().item()
+    return values, ids, mass
+
+
+def distill_loss(student_logits, top_values, top_ids, targets, mask, temperature: float,
+                 ce_weight: float = CE_WEIGHT) -> tuple[torch.Tensor, float]:
+    """Forward KL(p_T || q_T): with `top_ids` None, `top_values` are the teacher's full log-probs;
+    else over the teacher's top-k ids plus one bucket for the rest of the
+    vocabulary (exact KL of that coarser distribution, so never negative and the tail is not
+    left to grow), plus `ce_weight` x cross-entropy on the target's own tokens;
+    (loss, kl) averaged over `mask`."""
+    logq = F.log_softmax(student_logits.float() / temperature, dim=-1)     # [B, L, V]
+    p_log = top_values.float()                                             # [B, L, k or V]
+    if top_ids is None:                   # the teacher's full distribution: the exact KL
+        kl = (p_log.exp() * (p_log - logq)).sum(-1)
+    else:
+        q_log = logq.gather(-1, top_ids.long())
+        p_rest = (1 - p_log.exp().sum(-1)).clamp(min=1e-6)
+        q_rest = (1 - q_log.exp().sum(-1)).clamp(min=1e-6)
+        kl = (p_log.exp() * (p_log - q_log)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
+    ce = F.cross_entropy(student_logits.float().flatten(0, 1), targets.flatten(),
+                         reduction="none").view_as(kl)
+    m = mask.float()
+    n = m.sum().clamp(min=1)
+    kl_mean = (kl * m).sum() / n
+    return kl_mean + ce_weight * (ce * m).sum() / n, kl_mean.item()
+
+
+@torch.no_grad()
+def acceptance_by_class(target, student, data: DistillData, temperature: float,
+                        batch_size: int = 16) -> dict:
+    """Teacher-forced agreement on the continuation tokens, per class and overall:
+    `acceptance` = mean sum(min(p_T, q_T)) (a sampled draft token's acceptance probability),
+    `greedy` = P(argmax q == argmax p), `kl` = KL(p_T || q_T) in nats per token."""
+    sums: dict[str, list[float]] = {}
+    mask = data.loss_mask(completion_only=True)
+    for s in range(0, len(data.classes), batch_size):
+        inp = data.tokens[s:s + batch_size]
+        p_log = F.log_softmax(target(input_ids=inp).logits[:, :-1].float() / temperature, -1)
+        q_log = F.log_softmax(student(input_ids=inp).logits[:, :-1].float() / temperature, -1)
+        acc = torch.minimum(p_log.exp(), q_log.exp()).sum(-1)
+        greedy = (p_log.argmax(-1) == q_log.argmax(-1)).float()
+        kl = (p_log.exp() * (p_log - q_log)).sum(-1)
+        for r, cls in enumerate(data.classes[s:s + batch_size]):
+            m = mask[s + r]
+            for key in (cls, "all"):
+                tot = sums.setdefault(key, [0.0, 0.0, 0.0, 0])
+                tot[0] += acc[r][m].sum().item()
+                tot[1] += greedy[r][m].sum().item()
+                tot[2] += kl[r][m].sum().item()
+                tot[3] += int(m.sum())
+    return {c: {"acceptance": round(a / max(n, 1), 4), "greedy": round(g / max(n, 1), 4),
+                "kl": round(k / max(n, 1), 4), "tokens": n} for c, (a, g, k, n) in sorted(sums.items())}
+
+
+def default_ds_config(batch_size: int = 8, lr: float = 3e-4, zero_stage: int = 1) -> dict:
+    """DeepSpeed's config for a single-node run: its AdamW (torch's implementation, which needs no
+    C++ build), its warm-up schedule, ZeRO, bf16 where the device runs it fast."""
+    from models.demo_train import cpu_has_bf16
+
+    bf16 = torch.cuda.is_available() or cpu_has_bf16()
+    return {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95],
+                                                      "weight_decay": 0.0, "torch_adam": True}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                         "warmup_num_steps": 20}},
+            "zero_optimization": {"stage": zero_stage}, "zero_force_ds_cpu_optimizer": False,
+            "bf16": {"enabled": bf16}}
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def init_deepspeed(model, ds_config: dict):
+    """A DeepSpeed engine around `model`. Under the `deepspeed` launcher the rank variables are
+    already set; alone, this process is rank 0 of 1 over gloo (no MPI)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", _free_port())
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config)
+    return engine, optimizer, scheduler
+
+
+def save_hf(student, target_folder: Path, out: Path) -> None:
+    """A standard HF checkpoint folder: the student's weights and config, the target's tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    student.save_pretrained(str(out))
+    for f in Path(target_folder).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) and f.is_file():
+            shutil.copy2(f, out / f.name)
+
+
+def write_report(out: Path, report: dict) -> None:
+    tmp = out / "distill.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out / "distill.json")
+
+
+def now() -> float:
+    return time.monotonic()
