@@ -20,6 +20,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("models build-demo", "models.demo_cli", "train the demo model family (tokenizer, target, draft, small)"),
     ("models info", "models.info_cli", "print a checkpoint's parameters, weight bytes and KV bytes per token"),
     ("bench engine", "cluster.bench_engine", "benchmark the engine side by side with transformers"),
+    ("bench serve", "cluster.bench_serve", "drive a running cluster over HTTP: policies x loads, JSON + PNG"),
     ("simulate", "cluster.simulate", "run the capacity simulator on a scenario"),
     ("keys add", "cluster.keys", "create an API key bound to a pricing plan"),
 ]
