@@ -36,11 +36,11 @@ def test_ttft_tpot_e2e():
 
 
 def test_slo_goodput_and_attainment():
-    slo = SLO(ttft_s=1.0, tpot_s=0.1)
+    slo = SLO(ttft_s=1.0, tpot_s=0.125)                      # binary fractions: exact edges
     good = _rec(0.0, 0.5, 0.5 + 0.05 * 9, 10)                 # ttft 0.5, tpot 0.05: meets
     slow_first = _rec(1.0, 2.5, 2.5 + 0.05 * 9, 10)          # ttft 1.5: misses
     slow_decode = _rec(2.0, 2.2, 2.2 + 0.2 * 9, 10)          # tpot 0.2: misses
-    edge = _rec(3.0, 4.0, 4.0 + 0.1 * 3, 4)                  # exactly at both limits: meets
+    edge = _rec(3.0, 4.0, 4.0 + 0.125 * 3, 4)                # exactly at both limits: meets
     error = RequestRecord(policy="p", prompt_class="code", sent=4.0, status=429, finished=4.01)
     warm = _rec(-5.0, -4.9, -4.0, 10)                        # before the window: excluded
     recs = [good, slow_first, slow_decode, edge, error, warm]
