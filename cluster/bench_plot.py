@@ -1,8 +1,8 @@
 """The figure and the table of `specserve bench serve` (matplotlib, Agg; imported only here).
 
 Row 1, closed-loop users: the seed article's two panels (output tokens/s vs users, p95
-end-to-end latency vs users, one line per policy, 95% intervals over repeats as error bars)
-and SLO attainment vs users. Row 2, the same against the offered Poisson rate, when measured.
+end-to-end latency vs users, one line per policy)
+and SLO attainment vs users. Error bars on throughput: the lowest and highest repeat. Row 2, the same against the offered Poisson rate, when measured.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ def plot(report: dict, path: Path) -> Path:
             rs = sorted((r for r in results if r["load_kind"] == kind and r["policy"] == policy),
                         key=lambda r: r["load"])
             x = [r["load"] for r in rs]
-            ci = [r["repeats"]["output_tok_s"]["ci95"] or 0 for r in rs]
-            row[0].errorbar(x, [r["output_tok_s"] for r in rs], yerr=ci, marker="o", capsize=3,
-                            label=policy)
+            y = [r["output_tok_s"] for r in rs]
+            reps = [[q["output_tok_s"] for q in report["runs"] if q["policy"] == policy
+                     and (q["load_kind"], q["load"]) == (kind, r["load"])] or [v] for r, v in zip(rs, y)]
+            spread = [[v - min(q) for v, q in zip(y, reps)], [max(q) - v for v, q in zip(y, reps)]]
+            row[0].errorbar(x, y, yerr=spread, marker="o", capsize=3, label=policy)
             row[1].plot(x, [r["e2e_s"]["p95"] for r in rs], marker="o", label=policy)
             row[2].plot(x, [100 * (r["slo_attainment"] or 0) for r in rs], marker="o", label=policy)
         xlabel = "concurrent users (closed loop)" if kind == "users" else "offered rate, requests/s (Poisson)"

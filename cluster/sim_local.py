@@ -103,9 +103,13 @@ def _bench_rows(path: Path | None) -> dict:
     return {(r["policy"], r["load"]): r for r in data["results"] if r["load_kind"] == "users"}
 
 
-def _bench_acceptance(rows: dict) -> float | None:
+def _bench_acceptance(path: Path | None) -> float | None:
+    """The target's live per-token acceptance that /health reported in the premium runs."""
+    if not path:
+        return None
+    runs = json.loads(path.read_text()).get("runs", [])
     values = [r["health_peaks"].get("target", {}).get("mean_token_acceptance")
-              for (p, _), r in rows.items() if p == "premium"]
+              for r in runs if r["policy"] == "premium"]
     values = [v for v in values if v]
     return statistics.median(values) if values else None
 
@@ -116,7 +120,7 @@ def run_local(args) -> int:
 
     target, small, lengths = build(args.family, args.overhead_ms / 1000)
     bench = _bench_rows(args.bench)
-    a = args.acceptance or _bench_acceptance(bench) or 0.7
+    a = args.acceptance or _bench_acceptance(args.bench) or 0.7
     mix = AcceptanceMix("local", {"code": 1, "prose": 1, "chat": 1}, {"code": a, "prose": a, "chat": a})
     users = [int(u) for u in args.users.split(",") if u]
     spread = max(1, args.output_tokens // 2)
