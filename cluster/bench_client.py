@@ -123,12 +123,17 @@ class Workload:
         return Prompt(cls, self.rng.choice(self.prompts[cls]), self.rng.randint(self.low, self.high))
 
 
-async def closed_loop(issue, users: int, stop_at: float, think_s: float, rng: random.Random):
-    """`users` users, each: send, wait for the answer, think (exponential, mean think_s)."""
+async def closed_loop(issue, users: int, stop_at: float, think_s: float, rng: random.Random,
+                      error_pause_s: float = 0.5):
+    """`users` users, each: send, wait for the answer, think (exponential, mean think_s). A user
+    whose request failed pauses `error_pause_s` first (a 429 asks for it; the others should not
+    turn a closed loop into a flood)."""
     async def user(i: int):
         await asyncio.sleep(i * 0.01)            # do not fire every first request at once
         while time.monotonic() < stop_at:
-            await issue()
+            rec = await issue()
+            if rec is not None and not rec.ok:
+                await asyncio.sleep(error_pause_s)
             if think_s > 0:
                 await asyncio.sleep(rng.expovariate(1 / think_s))
     await asyncio.gather(*(user(i) for i in range(users)))

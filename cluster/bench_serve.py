@@ -72,8 +72,10 @@ async def run_one(client, policy: str, load: tuple[str, float], workload, model:
     records = []
 
     async def issue():
-        records.append(await send(client, policy, workload.draw(), model, args.temperature,
-                                  not args.stop_at_eos))
+        rec = await send(client, policy, workload.draw(), model, args.temperature,
+                         not args.stop_at_eos)
+        records.append(rec)
+        return rec
 
     sampler = HealthSampler(client)
     sampler.start()
@@ -193,7 +195,8 @@ def run(args) -> int:
                   file=sys.stderr)
             return 2
         report = asyncio.run(bench(args.url, args.key, args))
-    report["command"] = "specserve bench serve " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "serve"] else sys.argv[1:])
+    from_cli = sys.argv[1:3] == ["bench", "serve"]
+    report["command"] = "specserve bench serve " + " ".join(sys.argv[3:]) if from_cli else None
     report["args"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "key"}
     report["machine"] = {"host": platform.node(), "cpus": os.cpu_count(),
                          "loadavg_at_end": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
