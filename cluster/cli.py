@@ -20,9 +20,14 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("models build-demo", "models.demo_cli", "train the demo model family (tokenizer, target, draft, small)"),
     ("models info", "models.info_cli", "print a checkpoint's parameters, weight bytes and KV bytes per token"),
     ("bench engine", "cluster.bench_engine", "benchmark the engine side by side with transformers"),
+    ("bench overload", "cluster.bench_overload", "drive a running cluster at 4x its capacity; check nothing is lost"),
     ("bench serve", "cluster.bench_serve", "drive a running cluster over HTTP: policies x loads, JSON + PNG"),
     ("simulate", "cluster.simulate", "run the capacity simulator on a scenario"),
-    ("keys add", "cluster.keys", "create an API key bound to a pricing plan"),
+    ("keys add", "cluster.keys", "create an API key bound to a pricing plan (live, no restart)"),
+    ("keys list", "cluster.keys", "list API keys (ids, names, plans, status; never the keys)"),
+    ("keys revoke", "cluster.keys", "revoke an API key (refused within seconds)"),
+    ("keys rotate", "cluster.keys", "give a key a new secret; the old one stops working"),
+    ("usage", "cluster.usage", "usage and revenue per key, plan, tier and day from the ledger"),
 ]
 
 

@@ -2,7 +2,8 @@
 
 Connects to the running cluster as a driver (token auth handled by `cluster/ray_local.py`),
 reads Serve's application and replica states, and asks the ingress's `/health` for the live
-per-tier load (replicas reporting, running batch, waiting queue, KV headroom).
+per-tier load (replicas reporting, running batch, waiting queue, KV headroom); `/health` shows
+that only to an admin key, taken from $SPECSERVE_ADMIN_KEY.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    import os
+
     import httpx
 
     from cluster.ray_local import enable_token_auth
@@ -38,9 +41,14 @@ def run(args) -> int:
     finally:
         ray.shutdown()
     try:
-        health = httpx.get(args.url + "/health", timeout=5).json()
+        admin = os.environ.get("SPECSERVE_ADMIN_KEY", "")
+        health = httpx.get(args.url + "/health", timeout=5,
+                           headers={"Authorization": f"Bearer {admin}"} if admin else None).json()
     except (httpx.HTTPError, ValueError) as exc:
         print(f"live load unavailable from {args.url}/health: {exc}")
+        return 0
+    if "tiers" not in health:
+        print(f"ingress: {health.get('status')} (set $SPECSERVE_ADMIN_KEY for the live load)")
         return 0
     print("live load (from the router's stats):")
     for tier, t in health.get("tiers", {}).items():

@@ -3,8 +3,11 @@
 Builds the demo family if the config needs it and it is missing, starts a local Ray cluster
 (token auth on, see `cluster/ray_local.py`), deploys the app, waits until every tier reports,
 prints the API, metrics and dashboard URLs with a one-time API key and an example request,
-then serves until Ctrl-C (or SIGTERM) and tears everything down. `--check` answers one
-completion on every pricing endpoint and exits instead (a smoke test for a fresh clone).
+then serves until Ctrl-C or SIGTERM. Stopping is graceful: the ingress stops admitting (new
+requests get 503 with Retry-After), the requests in flight run to their end for up to
+`--drain-timeout` seconds (a second signal cuts that short), then Serve and Ray are torn down
+and the process exits 0. `--check` answers one completion on every pricing endpoint and
+exits instead (a smoke test for a fresh clone).
 """
 
 from __future__ import annotations
@@ -25,6 +28,53 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-dashboard", action="store_true", help="start Ray without its dashboard")
     parser.add_argument("--check", action="store_true",
                         help="send one completion to every pricing endpoint, then stop")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM/Ctrl-C, seconds to let requests in flight finish "
+                             "(default: %(default)s)")
+
+
+class StopSignal:
+    """SIGTERM and SIGINT as flags: the first asks for a graceful stop, the second forces it.
+
+    Installed after `ray.init`, which replaces the SIGTERM handler with `sys.exit` (that
+    raised inside Ray's threads and ended in an abort with a stack dump)."""
+
+    def __init__(self):
+        self.requested = self.forced = False
+        self.install()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            self.forced = True
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: stopping specserve"
+              f"{' now' if self.forced else ' (again to skip the drain)'} ...", flush=True)
+
+
+def _drain(app_name: str, timeout_s: float, stop: StopSignal) -> None:
+    """Stop admitting at the ingress, then wait (bounded) until nothing is in flight."""
+    from ray import serve
+
+    try:
+        ingress = serve.get_deployment_handle("Ingress", app_name=app_name)
+        in_flight = ingress.drain.remote().result(timeout_s=10)
+        print(f"draining: {in_flight} request(s) in flight (at most {timeout_s:.0f} s) ...",
+              flush=True)
+        deadline = time.monotonic() + timeout_s
+        while in_flight and time.monotonic() < deadline and not stop.forced:
+            time.sleep(0.25)
+            in_flight = ingress.in_flight.remote().result(timeout_s=10)
+        if in_flight:
+            print(f"drain ended with {in_flight} request(s) still in flight: they are cut",
+                  flush=True)
+        else:
+            time.sleep(0.5)         # the proxy sends the last bytes of the last response
+    except Exception as exc:        # nothing deployed yet, or the app failed: just tear down
+        print(f"drain skipped: {type(exc).__name__}: {exc}", flush=True)
 
 
 def _launcher(path: str, args) -> dict:
@@ -50,17 +100,19 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _wait_healthy(url: str, timeout_s: float = 600) -> None:
+def _wait_healthy(url: str, timeout_s: float = 600, stop: StopSignal | None = None) -> None:
     import httpx
 
     deadline = time.time() + timeout_s
-    while time.time() < deadline:
+    while time.time() < deadline and not (stop and stop.requested):
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1)
+    if stop and stop.requested:
+        return
     raise TimeoutError(f"the app at {url} did not become healthy within {timeout_s:.0f}s")
 
 
@@ -123,28 +175,30 @@ def run(args) -> int:
     if launcher["metrics_port"] and not _port_free("127.0.0.1", launcher["metrics_port"]):
         launcher["metrics_port"] = None          # any free port (printed below)
 
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    stop = StopSignal()
     print(f"starting Ray ({launcher['num_cpus']} CPUs, token auth on) ...", flush=True)
     local = ray_local.start(num_cpus=launcher["num_cpus"], num_gpus=launcher["num_gpus"],
                             http_host=launcher["http_host"], http_port=launcher["http_port"],
                             metrics_port=launcher["metrics_port"], dashboard=not args.no_dashboard,
                             dashboard_port=launcher["dashboard_port"])
+    stop.install()
     try:
         from ray import serve
 
         from deployments.app import build_app
 
+        if stop.requested:
+            return 0
         print("deploying the app (loading models, profiling the engine) ...", flush=True)
         serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
-        _wait_healthy(local.api_url)
-        _print_banner(local, cfg, key)
-        if args.check:
-            return 0 if _check(local.api_url, key, cfg.model_name) else 1
-        while not stop["now"]:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+        _wait_healthy(local.api_url, stop=stop)
+        if not stop.requested:
+            _print_banner(local, cfg, key)
+            if args.check:
+                return 0 if _check(local.api_url, key, cfg.model_name) else 1
+        while not stop.requested:
+            time.sleep(0.2)
+        _drain(cfg.name, args.drain_timeout, stop)
     finally:
         print("\nstopping specserve ...", flush=True)
         ray_local.stop()

@@ -128,6 +128,19 @@ class EngineServer:
 
     # -- requests -----------------------------------------------------------------------------
     def _prompt_token_ids(self, req: GenerateRequest) -> list[int]:
+        """The prompt's token ids; a prompt the tokenizer or chat template refuses is the
+        caller's 400 (never a replica failure that a client would retry)."""
+        try:
+            return self._tokenize(req)
+        except TierError:
+            raise
+        except Exception as exc:
+            logger.warning("request %s: tokenizing failed: %r", req.request_id, exc)
+            what = "messages" if req.messages is not None else "prompt"
+            raise TierError(400, f"the {what} could not be tokenized (or the chat template "
+                            "refused it)", code="invalid_prompt", param=what) from None
+
+    def _tokenize(self, req: GenerateRequest) -> list[int]:
         tok = self.tokenizer
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
@@ -178,7 +191,10 @@ class EngineServer:
                                 num_output_tokens=out.num_output_tokens, mode=_value(out.mode),
                                 acceptance_rate=out.acceptance_rate,
                                 mean_acceptance_length=out.mean_acceptance_length,
-                                token_acceptance=out.token_acceptance)
+                                token_acceptance=out.token_acceptance,
+                                num_speculative_tokens=out.num_speculative_tokens,
+                                num_draft_tokens=out.num_draft_tokens,
+                                num_accepted_tokens=out.num_accepted_tokens)
         except prompt_too_long as exc:
             raise TierError(400, str(exc), code="context_length_exceeded",
                             param="messages" if req.messages is not None else "prompt") from None

@@ -204,6 +204,8 @@ class LLMEngine:
             self._trials_ewma += EWMA * (trials - self._trials_ewma)
         self.metrics.record(it.k, r.accepted, len(r.tokens))
         new, reason = self._append_until_stop(seq, r.tokens)
+        if seq.speculative:                   # what ran, for pricing: mode at emission
+            seq.num_speculative_output += len(new)
         if reason is not None:
             self.scheduler.finish(seq, reason)
         else:
@@ -237,7 +239,10 @@ class LLMEngine:
                              seq.num_prompt, seq.num_output, seq.mode, seq.acceptance_rate,
                              seq.mean_acceptance_length, seq.token_acceptance,
                              len(seq.blocks) * self.pool.block_bytes,
-                             len(seq.draft_blocks) * self.pool.block_bytes)
+                             len(seq.draft_blocks) * self.pool.block_bytes,
+                             num_speculative_tokens=seq.num_speculative_output,
+                             num_draft_tokens=seq.num_draft_tokens,
+                             num_accepted_tokens=seq.num_accepted)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -22,6 +22,9 @@ class RequestOutput:
     token_acceptance: float | None = None         # a = accepted / (accepted + rejections)
     kv_target_bytes: int = 0                      # KV this request holds now, target and draft
     kv_draft_bytes: int = 0
+    num_speculative_tokens: int = 0   # output tokens emitted while in speculative mode (billing)
+    num_draft_tokens: int = 0         # draft tokens proposed / accepted so far (cumulative)
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -54,6 +54,7 @@ class Sequence:
         self.num_accepted = 0
         self.num_rejections = 0               # drafting steps that ended in a rejection
         self.num_preemptions = 0
+        self.num_speculative_output = 0       # output tokens emitted while in speculative mode
         self.first_token_time: float | None = None
 
     @property

@@ -77,14 +77,47 @@ class AuthConfig(_Strict):
     keys_file: str | None = Field(None, description="JSON file of hashed keys (specserve keys add)")
     keys: list[InlineKey] = Field(default_factory=list)
     default_plan: Literal["premium", "standard", "economy", "auto"] = "auto"
+    admin_keys: list[str] = Field(default_factory=list,
+                                  description="SHA-256 of admin keys (beside `specserve keys add --admin`)")
+    refresh_s: float = Field(1.0, gt=0, description="how often the ingress re-reads the live keys")
 
 
 class LimitsConfig(_Strict):
     max_queued_requests: int = Field(64, ge=1, description="ingress: queued requests per proxy")
     max_ongoing_requests: int = Field(256, ge=1, description="ingress: concurrent requests")
+    max_in_flight: int = Field(192, ge=1, description="ingress admission: past it a 429 in "
+                               "OpenAI's shape (below max_ongoing_requests, so the ingress "
+                               "answers before Serve's proxy would)")
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After sent with a 429")
     max_tokens_default: int = Field(16, ge=1)
-    max_tokens_limit: int = Field(4096, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1, description="bound on max_tokens and "
+                                  "max_completion_tokens")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request body bytes (then 413)")
+    max_json_depth: int = Field(16, ge=4, le=64, description="JSON nesting of a request body")
+
+    @model_validator(mode="after")
+    def _ingress_answers_first(self) -> "LimitsConfig":
+        if self.max_in_flight >= self.max_ongoing_requests:
+            raise ValueError(f"limits.max_in_flight ({self.max_in_flight}) must be below "
+                             f"limits.max_ongoing_requests ({self.max_ongoing_requests}), so "
+                             "overload is answered by the ingress (429 in OpenAI's shape)")
+        return self
+
+
+class PlanLimits(_Strict):
+    """Per key on a plan; None is unlimited. Shared by every ingress replica (the database)."""
+    requests_per_min: int | None = Field(None, ge=1)
+    tokens_per_min: int | None = Field(None, ge=1, description="prompt + max_tokens reserved at admission")
+    monthly_tokens: int | None = Field(None, ge=1, description="prompt + completion, calendar month (UTC)")
+
+
+class LedgerConfig(_Strict):
+    """Where usage, live keys and rate-limit counters live (`router/store.py`)."""
+    url: str | None = Field(None, description="sqlite:///PATH (default ~/.specserve/ledger.db) "
+                                              "or postgresql://... for several nodes")
+    spool_dir: str | None = Field(None, description="local fsynced spool (default: beside the "
+                                                    "SQLite file, or ~/.specserve/spool)")
+    drain_period_s: float = Field(0.5, gt=0, description="spool -> database period")
 
 
 class StatsConfig(_Strict):
@@ -105,6 +138,8 @@ class AppConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     stats: StatsConfig = Field(default_factory=StatsConfig)
     policy: dict[str, Any] = Field(default_factory=dict, description="kwargs for the policy's config")
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    plans: dict[str, PlanLimits] = Field(default_factory=dict, description="rate limits per plan")
     ingress_num_cpus: float = Field(0.1, ge=0)
 
     @model_validator(mode="after")
@@ -115,6 +150,9 @@ class AppConfig(_Strict):
         unknown = [t for t in self.prices if t not in TIERS]
         if unknown:
             raise ValueError(f"prices has unknown tiers {unknown}; tiers are {list(TIERS)}")
+        bad_plans = [p for p in self.plans if p not in PLANS]
+        if bad_plans:
+            raise ValueError(f"plans has unknown plans {bad_plans}; plans are {list(PLANS)}")
         if self.small is not None and self.small.draft is not None:
             raise ValueError("the small tier runs without a draft; remove small.draft")
         if self.small is not None and self.small.tp_size != 1:
@@ -144,6 +182,10 @@ class AppConfig(_Strict):
                 data[tier]["model"] = fix(data[tier]["model"])
                 data[tier]["draft"] = fix(data[tier]["draft"])
         data["auth"]["keys_file"] = fix(data["auth"]["keys_file"])
+        url = data["ledger"]["url"]
+        if url and url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+            data["ledger"]["url"] = "sqlite:///" + fix(url[len("sqlite:///"):])
+        data["ledger"]["spool_dir"] = fix(data["ledger"]["spool_dir"])
         return AppConfig.model_validate(data)
 
 

@@ -4,8 +4,13 @@ Per request: key -> plan (401/403), body -> pydantic (400), model name (404), th
 `choose_tier(request, live stats, state)` -> the target replicas (speculative or baseline
 mode) or the small replicas, streamed back as JSON or SSE with `usage` (tokens, tier, reason,
 price_usd) and `x-specserve-tier` / `x-specserve-reason` headers. Overload is a 429 with
-Retry-After: Serve's `BackPressureError` from a tier's bounded queue, or the engine's own
-full waiting queue. A client that disconnects cancels the stream; the replica frees its KV.
+Retry-After: the ingress's own admission limit (`router/admission.py`, below its Serve
+`max_ongoing_requests`, so Serve's plain-text 429 is never reached), Serve's
+`BackPressureError` from a tier's bounded queue, or the engine's own full waiting queue. A
+client that disconnects cancels the stream; the replica frees its KV. Every error, from a
+route, FastAPI, an unknown path or a stream that fails midway (an SSE error event, then
+`[DONE]`), is in OpenAI's shape; exception text never reaches a client (it is logged with the
+request id). `drain()` stops admitting (503 + Retry-After) for a graceful stop.
 
 Owns: routes, auth, error bodies, SSE framing, the ingress metrics (tier decisions and
 requests by status). Does not own the decision (`router/policy.py`), the stats gathering
@@ -22,22 +27,24 @@ import math
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 from ray.serve import metrics
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from router import policy
+from router import admin, policy
+from router.accounting import Accounting
+from router.admission import Admission
 from router.config import AppConfig
-from router.keys import KeyStore
 from router.live_stats import LiveStats, to_cluster_stats
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
                                   Usage, chat_body, chat_chunk, completion_body, completion_chunk,
                                   error_body, new_id)
-from router.pricing import PriceTable, effective_plan, plan_covers
+from router.pricing import PriceTable, check_speculation, effective_plan, plan_covers
+from router.validation import parse_json_object, read_body, validate_request
 from router.wire import GenerateChunk, GenerateRequest, find_tier_error
 
 logger = logging.getLogger("ray.serve")
@@ -50,12 +57,22 @@ app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
 
 
 @app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     """Unknown paths and methods answer in OpenAI's error shape too."""
-    type_ = ERROR_TYPES.get(exc.status_code, "invalid_request_error")
-    return JSONResponse(error_body(str(exc.detail), type_, "not_found" if exc.status_code == 404
-                                   else "method_not_allowed" if exc.status_code == 405 else None),
-                        status_code=exc.status_code)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return HTTPError(exc.status_code, str(exc.detail), code, headers=exc.headers).response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    return HTTPError(400, "the request is not valid", "invalid_value").response()
+
+
+@app.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """The last resort: logged here, never shown to the client."""
+    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return HTTPError(500, "internal error", "internal_error").response()
 
 
 def _routes(suffix: str, method: str = "post"):
@@ -82,7 +99,8 @@ async def _chain(first, stream):
 class Ingress:
     def __init__(self, config: dict, target_handle, small_handle=None):
         self.cfg = AppConfig.model_validate(config)
-        self.keys = KeyStore.from_config(self.cfg.auth)
+        self.accounts = Accounting(self.cfg)     # live keys, rate limits, prices, ledger
+        self.keys = self.accounts.keys
         self.prices = PriceTable.from_config(self.cfg.prices)
         self.handles = {"target": target_handle}
         if small_handle is not None:
@@ -94,20 +112,26 @@ class Ingress:
         self.recent_acceptance: deque[float] = deque(maxlen=64)  # a of finished spec requests
         self.recent_lengths: deque[tuple[int, int]] = deque(maxlen=64)  # (prompt, output)
         self.retry_after = str(max(1, math.ceil(self.cfg.limits.retry_after_s)))
+        self.admission = Admission(self.cfg.limits.max_in_flight, self.retry_after)
         self.m_decisions = metrics.Counter("specserve_tier_decisions", tag_keys=("tier", "reason"),
                                            description="Tier decisions by tier and reason.")
         self.m_requests = metrics.Counter("specserve_requests", tag_keys=("status", "tier", "api"),
                                           description="Finished HTTP requests by status code.")
         self.m_price = metrics.Counter("specserve_price_usd", tag_keys=("tier",),
-                                       description="USD charged, by tier.")
+                                       description="USD charged, by the router's tier.")
+        self.m_billed = metrics.Counter("specserve_billed_tokens", tag_keys=("tier",),
+                                        description="Completion tokens billed, by the price "
+                                                    "they were billed at (what ran).")
+        self.m_completion = metrics.Counter("specserve_completion_tokens", tag_keys=("tier",),
+                                            description="Completion tokens, by the router's tier.")
         try:
             self.live.start()
         except RuntimeError:    # no running loop here: the first health check or request starts it
             pass
 
     # -- plumbing -----------------------------------------------------------------------------
-    def _auth(self, request: Request) -> str:
-        """The plan this request runs under; raises 401 / 403."""
+    def _auth(self, request: Request) -> tuple[str, object]:
+        """The plan this request runs under and the key record; raises 401 / 403."""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else ""
         endpoint = _endpoint_plan(request)
@@ -115,36 +139,42 @@ class Ingress:
             if self.cfg.auth.require_key:
                 raise HTTPError(401, "missing API key: send 'Authorization: Bearer <key>' "
                                 "(create one with `specserve keys add`)", "missing_api_key")
-            return effective_plan(self.cfg.auth.default_plan, endpoint)
+            return effective_plan(self.cfg.auth.default_plan, endpoint), None
         record = self.keys.lookup(key)
         if record is None:
             raise HTTPError(401, "invalid API key", "invalid_api_key")
+        if record.role == "admin":
+            raise HTTPError(403, "admin keys manage keys (/admin/keys); they do not call models",
+                            "admin_key")
         if not plan_covers(record.plan, endpoint):
             raise HTTPError(403, f"the key's plan '{record.plan}' does not cover the "
                             f"/{endpoint}/v1 endpoint", "plan_not_allowed")
-        return effective_plan(record.plan, endpoint)
+        return effective_plan(record.plan, endpoint), record
 
     async def _body(self, request: Request, model_cls):
-        try:
-            data = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise HTTPError(400, "the request body is not valid JSON", "invalid_json") from None
-        if not isinstance(data, dict):
-            raise HTTPError(400, "the request body must be a JSON object", "invalid_json")
-        try:
-            body = model_cls.model_validate(data)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            raise HTTPError(400, f"{param}: {err['msg']}" if param else err["msg"],
-                            "invalid_value", param) from None
+        """Bytes (bounded) -> JSON (depth-bounded, valid Unicode) -> strict model -> limits."""
+        limits = self.cfg.limits
+        raw = await read_body(request, limits.max_body_bytes)
+        body = validate_request(model_cls, parse_json_object(raw, limits.max_json_depth))
         if body.model not in self.cfg.served_model_names:
             raise HTTPError(404, f"the model '{body.model}' does not exist; available: "
                             f"{self.cfg.served_model_names}", "model_not_found", "model")
-        if (body.max_tokens or 0) > self.cfg.limits.max_tokens_limit:
-            raise HTTPError(400, f"max_tokens must be at most {self.cfg.limits.max_tokens_limit}",
-                            "invalid_value", "max_tokens")
+        max_tokens, field = body.requested_max_tokens()
+        if (max_tokens or 0) > limits.max_tokens_limit:
+            raise HTTPError(400, f"{field} must be at most {limits.max_tokens_limit}",
+                            "invalid_value", field)
         return body
+
+    def _failure(self, exc: BaseException, tier: str, request_id: str) -> HTTPError:
+        """What a client is told when a tier call fails: the replica's own `TierError`, or a
+        503 with Retry-After for a genuine replica failure (its details go to the log only)."""
+        err = find_tier_error(exc)
+        if err is None:
+            logger.error("request %s: the %s tier failed", request_id, tier, exc_info=exc)
+            return HTTPError(503, f"the {tier} tier failed while serving request {request_id}; "
+                             "retry", "replica_failed", headers={"Retry-After": self.retry_after})
+        headers = {"Retry-After": self.retry_after} if err.status in (429, 503) else None
+        return HTTPError(err.status, err.message, err.code, err.param, headers)
 
     def _decide(self, plan: str, body, text: str, prompt_len: int, max_tokens: int):
         req = policy.TierRequest(plan=plan, speculation=body.speculation,
@@ -187,18 +217,14 @@ class Ingress:
         except StopAsyncIteration:
             first = GenerateChunk(text="", finished=True, finish_reason="abort")
         except Exception as exc:
-            tier_error = find_tier_error(exc)
-            if tier_error is None:
-                raise HTTPError(503, f"the {gen_req.tier} tier failed: {type(exc).__name__}; retry",
-                                "replica_failed", headers={"Retry-After": self.retry_after}) from None
-            headers = {"Retry-After": self.retry_after} if tier_error.status == 429 else None
-            raise HTTPError(tier_error.status, tier_error.message, tier_error.code,
-                            tier_error.param, headers) from None
+            raise self._failure(exc, gen_req.tier, gen_req.request_id) from None
         return first, stream
 
-    def _usage(self, last: GenerateChunk, tier: str, reason: str, prompt_class: str) -> Usage:
-        price = self.prices.price_usd(tier, last.num_prompt_tokens, last.num_output_tokens)
-        self.m_price.inc(price, tags={"tier": tier}) if price > 0 else None
+    async def _usage(self, last: GenerateChunk, charge, prompt_class: str) -> Usage:
+        """Price what ran, spool the ledger record (fsync), feed the policy's live stats."""
+        usage = await self.accounts.finish_async(charge, last, "ok", 200)
+        self._count_revenue(usage)
+        tier = charge.tier
         a = last.token_acceptance
         if a is not None and tier == "speculative":
             old = self.acceptance_by_class.get(prompt_class, a)
@@ -206,18 +232,34 @@ class Ingress:
             self.recent_acceptance.append(a)
         if tier != "small":
             self.recent_lengths.append((last.num_prompt_tokens, last.num_output_tokens))
-        return Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
-                     total_tokens=last.num_prompt_tokens + last.num_output_tokens, tier=tier,
-                     reason=reason, price_usd=price, acceptance_rate=last.acceptance_rate,
-                     mean_acceptance_length=last.mean_acceptance_length)
+        return usage
+
+    def _count_revenue(self, usage) -> None:
+        if usage.price_micro_usd > 0:
+            self.m_price.inc(usage.price_usd, tags={"tier": usage.tier})
+        if usage.completion_tokens:
+            self.m_completion.inc(usage.completion_tokens, tags={"tier": usage.tier})
+        for tier, n in ((("small", usage.baseline_tokens),) if usage.tier == "small" else
+                        (("speculative", usage.speculative_tokens),
+                         ("baseline", usage.baseline_tokens))):
+            if n:
+                self.m_billed.inc(n, tags={"tier": tier})
+
+    def _end(self, charge, last, status: str, http_status: int, error: str | None = None):
+        """A request that did not finish normally: its partial usage goes to the ledger."""
+        if charge is not None and not charge.done:
+            self._count_revenue(self.accounts.finish(charge, last, status, http_status, error))
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         api = "chat" if chat else "completions"
-        tier = "none"
+        tier, ticket, charge = "none", None, None
+        request_id = new_id("chatcmpl" if chat else "cmpl")
         self.live.start()
         try:
-            plan = self._auth(request)
+            ticket = self.admission.enter()
+            plan, key = self._auth(request)
             body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
+            check_speculation(plan, body.speculation)
             sampling = body.sampling_kwargs(self.cfg.limits.max_tokens_default)
             if chat:
                 messages = body.plain_messages()
@@ -228,7 +270,8 @@ class Ingress:
                 text, prompt_len = body.prompt, len(body.prompt) // 4
             tier, k_max, reason, prompt_class = self._decide(plan, body, text, prompt_len,
                                                              sampling["max_tokens"])
-            request_id = new_id("chatcmpl" if chat else "cmpl")
+            charge = await self.accounts.admit(request_id, key, plan, _endpoint_plan(request), api,
+                                               tier, reason, prompt_len + sampling["max_tokens"])
             gen_req = GenerateRequest(
                 request_id=request_id, tier=tier, k_max=k_max, sampling=sampling,
                 mode="speculative" if tier == "speculative" else "baseline",
@@ -236,19 +279,24 @@ class Ingress:
                 prompt=body.prompt if not chat and isinstance(body.prompt, str) else None,
                 prompt_token_ids=body.prompt if not chat and isinstance(body.prompt, list) else None)
             first, stream = await self._start(gen_req)
-        except HTTPError as err:
-            self.m_requests.inc(tags={"status": str(err.status), "tier": tier, "api": api})
-            return err.response()
-        except Exception as exc:
-            logger.exception("request failed")
-            self.m_requests.inc(tags={"status": "500", "tier": tier, "api": api})
-            return HTTPError(500, f"internal error: {type(exc).__name__}: {exc}",
-                             "internal_error").response()
-        headers = {"x-specserve-tier": tier, "x-specserve-reason": reason}
+        except BaseException as exc:
+            if ticket is not None:
+                ticket.release()
+            if not isinstance(exc, Exception):
+                self._end(charge, None, "client_gone", 499)
+                raise                           # cancelled: the client went away
+            if not isinstance(exc, HTTPError):
+                logger.exception("request %s failed", request_id)
+                exc = HTTPError(500, f"internal error (request {request_id})", "internal_error")
+            self._end(charge, None, "error", exc.status, exc.message)
+            self.m_requests.inc(tags={"status": str(exc.status), "tier": tier, "api": api})
+            return exc.response()
+        headers = {"x-specserve-tier": tier, "x-specserve-reason": reason, **charge.headers}
         ids = body.return_token_ids
         if body.stream:
-            events = self._sse(first, stream, chat, body.model, request_id, tier, reason,
-                               prompt_class, ids, api)
+            events = self._sse(first, stream, chat, body.model, request_id, charge,
+                               prompt_class, ids, api, ticket)
+            ticket.release_with(events)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         parts, token_ids, last = [], [], first
         try:
@@ -256,28 +304,37 @@ class Ingress:
                 parts.append(chunk.text)
                 token_ids += chunk.token_ids
                 last = chunk
+        except asyncio.CancelledError:
+            self._end(charge, last, "client_gone", 499)     # what it ran so far is billed
+            raise
         except Exception as exc:
-            err = find_tier_error(exc)
-            status = err.status if err else 503
-            self.m_requests.inc(tags={"status": str(status), "tier": tier, "api": api})
-            return HTTPError(status, err.message if err else f"generation failed: {exc}").response()
+            err = self._failure(exc, tier, request_id)
+            self._end(charge, last, "error", err.status, err.message)
+            self.m_requests.inc(tags={"status": str(err.status), "tier": tier, "api": api})
+            return err.response()
         finally:
             stream.cancel()     # no-op when exhausted; aborts the sequence if we are cancelled
-        usage = self._usage(last, tier, reason, prompt_class)
+            ticket.release()
+        try:
+            usage = await self._usage(last, charge, prompt_class)
+        except asyncio.CancelledError:
+            self._end(charge, last, "client_gone", 499)
+            raise
         make = chat_body if chat else completion_body
         self.m_requests.inc(tags={"status": "200", "tier": tier, "api": api})
         return JSONResponse(make(request_id, body.model, "".join(parts), last.finish_reason, usage,
                                  token_ids if ids else None), headers=headers)
 
-    async def _sse(self, first, stream, chat, model, request_id, tier, reason, prompt_class,
-                   return_ids, api):
-        status = "200"
+    async def _sse(self, first, stream, chat, model, request_id, charge, prompt_class,
+                   return_ids, api, ticket):
+        status, tier, last = "200", charge.tier, first
         try:
             is_first = True
             async for chunk in _chain(first, stream):
+                last = chunk
                 if not (chunk.text or chunk.finished or is_first or (return_ids and chunk.token_ids)):
                     continue            # nothing to say yet (the detokenizer holds bytes back)
-                usage = self._usage(chunk, tier, reason, prompt_class) if chunk.finished else None
+                usage = await self._usage(chunk, charge, prompt_class) if chunk.finished else None
                 ids = chunk.token_ids if return_ids else None
                 if chat:
                     data = chat_chunk(request_id, model, chunk.text, chunk.finish_reason, usage,
@@ -293,14 +350,19 @@ class Ingress:
         except asyncio.CancelledError:
             status = "499"          # the client went away
             raise
-        except Exception as exc:
-            err = find_tier_error(exc)
-            status = str(err.status if err else 500)
-            body = error_body(err.message if err else f"generation failed: {type(exc).__name__}",
-                              ERROR_TYPES.get(int(status), "server_error"))
+        except Exception as exc:        # mid-stream: an error event, then the end marker
+            err = self._failure(exc, tier, request_id)
+            status = str(err.status)
+            body = error_body(err.message, ERROR_TYPES.get(err.status, "server_error"), err.code,
+                              err.param)
             yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             stream.cancel()         # Serve cancels the replica's generator -> engine.abort
+            ticket.release()
+            if status == "200" and not charge.done:
+                status = "499"      # closed by the server side without a cancel: client gone
+            self._end(charge, last, "client_gone" if status == "499" else "error", int(status))
             self.m_requests.inc(tags={"status": status, "tier": tier, "api": api})
 
     # -- routes -------------------------------------------------------------------------------
@@ -324,15 +386,30 @@ class Ingress:
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
         self.live.start()
         tiers = {kind: {"replicas": len(s.replicas), "running": s.num_running,
                         "waiting": s.num_waiting, "kv_headroom": round(s.kv_headroom, 4),
                         "replica_ids": [r.replica_id for r in s.replicas], **_kv_and_acceptance(s)}
                  for kind, s in self.live.snapshots().items()}
         ready = all(t["replicas"] > 0 for t in tiers.values())
-        return JSONResponse({"status": "ok" if ready else "starting", "tiers": tiers},
-                            status_code=200 if ready else 503)
+        status = "draining" if self.admission.draining else "ok" if ready else "starting"
+        body = {"status": status}
+        if admin.is_admin(self.keys, request):      # details (replica ids, load): admins only
+            body["tiers"] = tiers
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.api_route("/admin/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def admin_routes(self, request: Request, path: str) -> Response:
+        return await admin.handle(self.accounts, request, path)
+
+    async def drain(self) -> int:
+        """Stop admitting (new requests: 503 + Retry-After); returns the requests in flight."""
+        self.admission.draining = True
+        return self.admission.in_flight
+
+    async def in_flight(self) -> int:
+        return self.admission.in_flight
 
     async def check_health(self) -> None:
         self.live.start()     # the first health check runs on the replica's loop: start polling

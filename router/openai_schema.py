@@ -1,7 +1,10 @@
 """The OpenAI-compatible wire format: request and response bodies, and the error body.
 
-Owns validation of what a client sends (pydantic; a bad field becomes a 400 with
-`{"error": {"message", "type", "code", "param"}}`) and the shape of what goes back, including
+Owns validation of what a client sends (pydantic, strict: no string or boolean is coerced into
+a number or a flag; ranges as OpenAI documents them; bounded counts and lengths; OpenAI fields
+that would change the output and are not implemented are refused by name; a bad field becomes
+a 400 with `{"error": {"message", "type", "code", "param"}}`, see `router/validation.py`) and
+the shape of what goes back, including
 specserve's extensions: `speculation` (auto|on|off), `allow_downgrade`, `return_token_ids` on
 requests; `tier`, `reason`, `price_usd` in `usage`. Does not own tokenization (the replicas do),
 nor the choice of tier (`router/policy.py`).
@@ -9,100 +12,150 @@ nor the choice of tier (`router/policy.py`).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+
+# Bounds on what one request may ask; each is stated in the error a client gets past it.
+MAX_MODEL_NAME_CHARS = 256
+MAX_STOP_STRINGS = 4              # as OpenAI
+MAX_STOP_CHARS = 256
+MAX_TOP_K = 1 << 20               # above any vocabulary: the engine clamps top_k to its vocab
+MAX_SEED = (1 << 63) - 1
+MAX_TOKENS_HARD = (1 << 31) - 1   # the configured limit (limits.max_tokens_limit) is lower
+MAX_PROMPT_TOKEN_IDS = 1 << 17
+MAX_TOKEN_ID = (1 << 31) - 1      # the replica checks ids against its vocabulary
+MAX_MESSAGES = 512
+MAX_CONTENT_PARTS = 64
+MAX_USER_CHARS = 256
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+
+# OpenAI fields that would change the output and that specserve does not implement: accepted
+# only at the value that means "off" (clients such as LangChain send those), refused otherwise
+# with a 400 that names the field. Every other unknown field is refused as unrecognized.
+UNSUPPORTED_UNLESS_OFF = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False, 0),
+    "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (False,),
+}
+
+
+def _is_off(value: Any, off_values: tuple) -> bool:
+    """`None` or one of `off_values`, with the same JSON type (`true` is not `1`)."""
+    if value is None:
+        return True
+    return any(type(value) is type(off) and value == off
+               or (isinstance(off, int) and not isinstance(off, bool)
+                   and type(value) is float and value == off)
+               for off in off_values)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = True    # usage is always sent in the final chunk
 
 
 class _Request(BaseModel):
-    # Unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored, as vLLM does.
-    model_config = ConfigDict(extra="allow")
+    """Fields common to both APIs, typed strictly: no string or boolean becomes a number."""
+    model_config = ConfigDict(strict=True, extra="forbid")
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
+    model: str = Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_HARD)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)                   # 0 = off
+    stop: StopString | StopList | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
-    n: int = Field(1, ge=1)
-    logprobs: Any = None
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
     ignore_eos: bool = False
     # specserve extensions
     speculation: Literal["auto", "on", "off"] = "auto"
     allow_downgrade: bool = False
     return_token_ids: bool = False
 
-    @field_validator("n")
+    @model_validator(mode="before")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n = 1 is supported")
-        return n
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: Any) -> Any:
-        if value not in (None, False):
-            raise ValueError("logprobs are not supported")
-        return value
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, off in UNSUPPORTED_UNLESS_OFF.items():
+                if name in data and not _is_off(data[name], off):
+                    raise PydanticCustomError(
+                        "unsupported", "{name} is not supported by this server (only "
+                        "{off} or null is accepted)", {"name": name, "off": json.dumps(off[0])})
+            return {k: v for k, v in data.items() if k not in UNSUPPORTED_UNLESS_OFF}
+        return data
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return stops
+        return [value] if isinstance(value, str) else list(value or [])
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output bound the caller asked for, and the field it came from."""
+        return self.max_tokens, "max_tokens"
 
     def sampling_kwargs(self, max_tokens_default: int) -> dict:
         """Keyword arguments for `engine.sampling_params.SamplingParams`."""
+        max_tokens = self.requested_max_tokens()[0]
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "max_tokens": self.max_tokens or max_tokens_default, "stop": list(self.stop or []),
+                "max_tokens": max_tokens or max_tokens_default, "stop": list(self.stop or []),
                 "ignore_eos": self.ignore_eos, "seed": self.seed}
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    # One prompt: a string or token ids ([["..."]] and [[ids]] of length 1 are unwrapped).
+    prompt: (str | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
+             | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1,
+                                                             max_length=MAX_PROMPT_TOKEN_IDS)]],
+                         Field(min_length=1, max_length=1)])
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
+        if isinstance(prompt, list) and not isinstance(prompt[0], int):
             prompt = prompt[0]
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt must not be empty")
-        if isinstance(prompt, list) and any(t < 0 for t in prompt):
-            raise ValueError("prompt token ids must be non-negative")
         return prompt
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    name: str | None = Field(None, max_length=MAX_USER_CHARS)
 
     def text(self) -> str:
         if isinstance(self.content, list):   # [{"type": "text", "text": ...}, ...]
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_HARD)
 
-    def sampling_kwargs(self, max_tokens_default: int) -> dict:
-        kwargs = super().sampling_kwargs(max_tokens_default)
+    def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
-            kwargs["max_tokens"] = self.max_completion_tokens
-        return kwargs
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -185,7 +238,8 @@ def error_body(message: str, type_: ErrorType, code: str | None = None,
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "overloaded_error"}
 
 
 class HTTPError(Exception):
@@ -197,9 +251,11 @@ class HTTPError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
-        from fastapi.responses import JSONResponse
+    def response(self):
+        """A JSON response; ASCII-escaped, so no string can fail to encode on the way out."""
+        from starlette.responses import Response
 
         body = error_body(self.message, ERROR_TYPES.get(self.status, "server_error"),
                           self.code, self.param)
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return Response(json.dumps(body), status_code=self.status, headers=self.headers,
+                        media_type="application/json")

@@ -50,3 +50,20 @@ def plan_covers(key_plan: str, endpoint_plan: str) -> bool:
 def effective_plan(key_plan: str, endpoint_plan: str) -> str:
     """The plan a request runs under: the endpoint's, or the key's on plain `/v1/...`."""
     return key_plan if endpoint_plan == "auto" else endpoint_plan
+
+
+# Plan rule: `"speculation": "on"` buys the speculative tier, which only plans that may be
+# billed at the speculative price can ask for: premium (it speculates anyway) and auto (the
+# price follows what ran). On standard and economy (a key's own plan, or the /standard/v1 and
+# /economy/v1 endpoints) it is refused with 403 rather than silently billed at a higher price.
+SPECULATION_ON_PLANS = ("premium", "auto")
+
+
+def check_speculation(plan: str, speculation: str) -> None:
+    """Raise a 403 `HTTPError` when the plan may not ask for speculation."""
+    if speculation == "on" and plan not in SPECULATION_ON_PLANS:
+        from router.openai_schema import HTTPError
+
+        raise HTTPError(403, f"'speculation': 'on' needs the premium or auto plan; this request "
+                        f"runs under '{plan}' (use /premium/v1 with a premium key, or omit it)",
+                        "speculation_not_in_plan", "speculation")

@@ -36,6 +36,9 @@ class GenerateChunk:
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     token_acceptance: float | None = None    # per-token a = accepted / (accepted + rejections)
+    num_speculative_tokens: int = 0          # output tokens emitted in speculative mode (billing)
+    num_draft_tokens: int = 0                # draft tokens proposed / accepted, cumulative
+    num_accepted_tokens: int = 0
 
 
 class TierError(Exception):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from router.keys import make_record
+from router.keys import hash_key, make_record, new_key
 
 PLANS = ("premium", "standard", "economy", "auto")
 APP_NAME = "specserve"
@@ -26,6 +26,8 @@ class ServedApp:
     url: str
     metrics_url: str
     keys: dict[str, str] = field(default_factory=dict)     # plan -> API key
+    admin_key: str = ""
+    ledger_url: str = ""
 
     def client(self, plan: str = "auto", timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout,
@@ -69,12 +71,18 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, **overrides):
         key, record = make_record(f"test-{plan}", plan)
         keys[plan] = key
         inline.append({"name": record.name, "plan": plan, "sha256": record.sha256})
+    admin_key = new_key()
+    ledger_url = f"sqlite:///{tmp_path}/ledger.db"
+    overrides.setdefault("ledger", {"url": ledger_url, "drain_period_s": 0.2})
+    auth = {"keys": inline, "admin_keys": [hash_key(admin_key)], "refresh_s": 0.5}
+    overrides["auth"] = {**auth, **overrides.get("auth", {})}
     local = ray_local.start(num_cpus=num_cpus, http_port=ray_local.free_port(), dashboard=False,
                             token_path=tmp_path / "ray_token")
     try:
         serve.run(build_app(app_config(family, inline, **overrides)), name=APP_NAME,
                   route_prefix="/")
-        app = ServedApp(local.api_url, local.metrics_url, keys)
+        app = ServedApp(local.api_url, local.metrics_url, keys, admin_key,
+                        overrides["ledger"].get("url", ""))
         deadline = time.time() + 120
         while time.time() < deadline:
             if httpx.get(app.url + "/health", timeout=10).status_code == 200:

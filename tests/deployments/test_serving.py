@@ -37,7 +37,13 @@ def _completion(app, plan, **body):
 
 def test_health_and_models(app):
     health = httpx.get(app.url + "/health").json()
+    assert health == {"status": "ok"}           # no key: ok / not ok only, no replica ids
+    admin = {"Authorization": f"Bearer {app.admin_key}"}
+    health = httpx.get(app.url + "/health", headers=admin).json()
     assert health["status"] == "ok" and set(health["tiers"]) == {"target", "small"}
+    assert health["tiers"]["target"]["replica_ids"]
+    user = {"Authorization": f"Bearer {app.keys['premium']}"}
+    assert "tiers" not in httpx.get(app.url + "/health", headers=user).json()
     with app.client() as client:
         models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -187,7 +193,8 @@ def test_disconnected_stream_frees_its_kv(app):
         assert stats["kv_used_draft_bytes"] > 0
         # The router sees it too: replica stats reach the ingress through Serve's routing stats.
         deadline = time.time() + 10
-        while httpx.get(app.url + "/health").json()["tiers"]["target"]["running"] != 1:
+        admin = {"Authorization": f"Bearer {app.admin_key}"}
+        while httpx.get(app.url + "/health", headers=admin).json()["tiers"]["target"]["running"] != 1:
             assert time.time() < deadline, "the ingress never saw the running sequence"
             time.sleep(0.2)
         lines.close()       # the client goes away mid-stream
