@@ -86,12 +86,22 @@ class EngineServer:
         return EngineConfig(**cfg)
 
     @staticmethod
-    def _engine_errors() -> tuple[type, type]:
-        from engine.errors import EngineOverloadedError, PromptTooLongError
+    def _engine_errors() -> tuple[type, ...]:
+        from engine.errors import (EngineDeadError, EngineOverloadedError, PromptTooLongError,
+                                   RequestFailedError)
 
-        return PromptTooLongError, EngineOverloadedError
+        return PromptTooLongError, EngineOverloadedError, RequestFailedError, EngineDeadError
 
     # -- Serve hooks --------------------------------------------------------------------------
+    @property
+    def engine_alive(self) -> bool:
+        return getattr(self.engine, "is_alive", True)
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; a dead engine loop fails it, so Serve replaces us."""
+        if not self.engine_alive:
+            raise RuntimeError(f"the engine loop stopped: {getattr(self.engine, 'error', None)!r}")
+
     async def ready(self) -> dict:
         self._start_exporter()
         return {"kind": self.kind, "max_model_len": self.engine.max_model_len,
@@ -100,7 +110,10 @@ class EngineServer:
     def record_routing_stats(self) -> dict:
         """Serve calls this every `request_routing_stats_period_s`; callers' routers get it."""
         stats = self.engine.stats()
-        return {"kind": self.kind, "time": time.time(), "num_running": stats.num_running,
+        # available: False when the engine loop died, so least-loaded routing skips this replica
+        # at once (its load would read 0 and attract all traffic) until Serve replaces it.
+        return {"kind": self.kind, "time": time.time(), "available": self.engine_alive,
+                "num_running": stats.num_running,
                 "num_waiting": stats.num_waiting,
                 "num_speculative": getattr(stats, "num_speculative", 0),
                 "kv_budget_bytes": stats.kv_budget_bytes or 0,
@@ -119,6 +132,11 @@ class EngineServer:
 
         return {"stats": asdict(self.engine.stats()), "metrics": asdict(self.engine.metrics()),
                 "pid": os.getpid()}
+
+    async def inject_fault(self, kind: str, count: int = 1) -> None:
+        """TEST ONLY: arm a real fault in the engine (refused unless the tier's engine_args set
+        fault_injection: true; see engine/faults.py)."""
+        self.engine.inject_fault(kind, count)
 
     def __del__(self):
         try:
@@ -165,7 +183,7 @@ class EngineServer:
         from engine.sampling_params import Mode, RequestOptions, SamplingParams
 
         self._start_exporter()
-        prompt_too_long, overloaded = self._errors
+        prompt_too_long, overloaded, request_failed, engine_dead = self._errors
         try:
             params = SamplingParams(**req.sampling)
             options = RequestOptions(mode=Mode(req.mode), k_max=req.k_max, priority=req.priority)
@@ -194,12 +212,20 @@ class EngineServer:
                                 token_acceptance=out.token_acceptance,
                                 num_speculative_tokens=out.num_speculative_tokens,
                                 num_draft_tokens=out.num_draft_tokens,
-                                num_accepted_tokens=out.num_accepted_tokens)
+                                num_accepted_tokens=out.num_accepted_tokens,
+                                reason=getattr(out, "reason", None))
         except prompt_too_long as exc:
             raise TierError(400, str(exc), code="context_length_exceeded",
                             param="messages" if req.messages is not None else "prompt") from None
         except overloaded as exc:
             raise TierError(429, str(exc), type_="rate_limit_error", code="overloaded") from None
+        except request_failed as exc:      # logged by the engine with the request id
+            raise TierError(503, f"{exc} (request {req.request_id})", type_="server_error",
+                            code="engine_error") from None
+        except engine_dead:
+            logger.error("request %s: the engine loop is dead", req.request_id)
+            raise TierError(503, "this replica's engine stopped; retry (it is being replaced)",
+                            type_="server_error", code="replica_failed") from None
         except ValueError as exc:
             raise TierError(400, str(exc)) from None
         finally:

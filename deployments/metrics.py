@@ -39,6 +39,8 @@ _COUNTERS = {   # MetricsSnapshot field -> (metric name, description)
     "num_emitted_tokens": ("specserve_spec_decode_num_emitted_tokens", "Tokens emitted (accepted + recovered or bonus, and plain decode)."),
     "num_preemptions": ("specserve_num_preemptions", "Sequences preempted for lack of KV."),
     "num_spec_downgrades": ("specserve_num_spec_downgrades", "Sequences dropped from speculation to k = 0 under memory pressure."),
+    "num_failed_steps": ("specserve_num_failed_steps", "Engine steps whose requests ended with an error."),
+    "num_draft_failures": ("specserve_num_draft_failures", "Steps where the draft failed (its sequences went on in baseline)."),
 }
 
 

@@ -22,12 +22,11 @@ class TargetServer(EngineServer):
         tp_size = tier_config.get("tp_size", 1)
         config = self.engine_config(tier_config)
         # Ranks 1..N-1 start in bundles 1..N-1 and wait in the rendezvous; `peers()` joins this
-        # process as rank 0. Every rank gets rank 0's KV budget and block size (same block ids).
+        # process as rank 0. The engine then hands every rank its pool layout (tokens per block,
+        # which the draft's KV shape sets, and block count), so block ids mean the same slots.
         self.tp_group = TPGroup.start(
             tp_size,
-            worker_kwargs={"target": config.target, "dtype": config.dtype, "device": config.device,
-                           "kv_budget_bytes": config.kv_budget_bytes,
-                           "block_size": config.block_size},
+            worker_kwargs={"target": config.target, "dtype": config.dtype, "device": config.device},
             num_cpus=tier_config.get("num_cpus_per_rank", 1.0),
             num_gpus=tier_config.get("num_gpus_per_rank", 0.0),
             num_threads=tier_config.get("num_threads", 1), worker_path=tp_worker_class)
@@ -39,6 +38,7 @@ class TargetServer(EngineServer):
     def check_health(self) -> None:
         if self.tp_group.failed:
             raise RuntimeError(self.tp_group.failed)
+        super().check_health()
 
     async def tp_rank_pids(self) -> list[int]:
         """Process ids of ranks 1..N-1 (tests kill one to check the group is rebuilt)."""

@@ -85,6 +85,11 @@ class RayPeers:
         self.all_reduce = import_object(join_path)(0, self.world_size, init_method, device)
         self._refs: list = []
 
+    def configure_pool(self, tokens_per_block: int, num_blocks: int) -> None:
+        """Every rank takes rank 0's pool layout (tokens per block, block count)."""
+        ray.get([a.call.remote("configure_pool", tokens_per_block, num_blocks)
+                 for a in self.actors], timeout=self.timeout_s)
+
     def launch(self, input_ids, positions, seqs) -> None:
         seqs = [(s.block_table, s.num_cached, s.num_query) for s in seqs]
         self._refs = [a.call.remote("run", input_ids, positions, seqs) for a in self.actors]

@@ -4,6 +4,10 @@ Owns: the thread that calls `LLMEngine.step()` while there is work, the per-requ
 queues results are pushed to, and cleanup when a caller goes away (an abandoned or cancelled
 `generate` aborts its request, freeing its KV at once). Torch releases the GIL inside its
 kernels, so the event loop stays responsive while a step runs.
+
+Faults: a request that failed inside a step gets `RequestFailedError` on its stream and the loop
+goes on; if the loop itself dies, every stream gets `EngineDeadError` and `is_alive` turns false
+(the replica's health check reads it, so Serve replaces the replica).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import traceback
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.metrics import MetricsSnapshot
 from engine.outputs import EngineStats, RequestOutput
@@ -55,6 +59,8 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"the engine stopped: {out!r}") from out
                 finished = out.finished
+                if out.error is not None:      # this request failed; the engine serves on
+                    raise RequestFailedError(out.error)
                 yield out
         finally:
             if not finished:                   # cancelled, disconnected or abandoned
@@ -64,6 +70,11 @@ class AsyncEngine:
         with self._lock:
             self._streams.pop(request_id, None)
             self.engine.abort(request_id)
+
+    def inject_fault(self, kind: str, count: int = 1) -> None:
+        """TEST ONLY: see `LLMEngine.inject_fault`."""
+        with self._lock:
+            self.engine.inject_fault(kind, count)
 
     def stats(self) -> EngineStats:
         with self._lock:

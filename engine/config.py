@@ -26,6 +26,7 @@ class EngineConfig:
     cost_cache_dir: str | None = None    # None: ~/.cache/specserve/costs
     prior_acceptance: float = 0.7        # acceptance assumed before any is measured
     seed: int = 0
+    fault_injection: bool = False        # TEST ONLY: allow inject_fault (engine/faults.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 16:

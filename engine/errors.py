@@ -16,3 +16,7 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The step loop stopped after an internal error; the replica should be replaced."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (it was stopped; the engine serves on)."""

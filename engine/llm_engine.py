@@ -7,6 +7,7 @@ Does not own: threads or asyncio (`engine/async_engine.py`), nor anything about 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -15,6 +16,7 @@ from engine.config import EngineConfig
 from engine.cost_model import choose_k, step_s
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError
+from engine.faults import Faults, FaultyRunner
 from engine.kv_cache import BlockPool
 from engine.memory import kv_budget_bytes
 from engine.metrics import Metrics, MetricsSnapshot
@@ -27,8 +29,11 @@ from engine.spec_decode import StepResult, step
 from models.llama import LlamaForward
 from models.loader import check_compatible, load_model
 
+logger = logging.getLogger(__name__)
+
 PRIOR_WEIGHT = 4.0     # pseudo-trials of the engine-wide acceptance behind each sequence's own
 EWMA = 0.02            # decay per drafting sequence-step of the engine-wide counts
+DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
 OVERHEAD_EWMA = 0.1    # weight of one decode step in the per-sequence overhead estimate
 
@@ -73,10 +78,17 @@ class LLMEngine:
                               self.target_fw.dtype, config.device,
                               (d.num_layers, d.num_kv_heads, d.head_dim) if d else None)
         pool = self.pool
+        if peers is not None:     # ranks 1..N-1 take this layout; they never re-derive it
+            peers.configure_pool(pool.target.tokens_per_block, pool.num_blocks)
         self.target = ModelRunner(self.target_fw, pool.view(pool.target),
                                   pool.evenly_strided(pool.target), peers)
         self.draft = (ModelRunner(self.draft_fw, pool.view(pool.draft), pool.evenly_strided(pool.draft))
                       if self.draft_fw else None)
+        self.faults = Faults() if config.fault_injection else None    # test-only hook
+        if self.faults is not None:
+            self.target = FaultyRunner(self.target, self.faults, "target_raise")
+            if self.draft is not None:
+                self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
         self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
         self.cost = CalibratedCost(self._cost_model())
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
@@ -129,10 +141,14 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     options: RequestOptions | None = None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise ValueError("prompt token ids must be integers")
         if len(prompt_ids) + 1 > self.max_model_len:
             raise PromptTooLongError(len(prompt_ids), self.max_model_len - 1)
         if not self.scheduler.fits_ever(len(prompt_ids) + 1):
@@ -155,23 +171,65 @@ class LLMEngine:
         self.scheduler.finish(seq, FinishReason.ABORT)
         return self._output(seq, [], final=True)
 
+    def inject_fault(self, kind: str, count: int = 1) -> None:
+        """TEST ONLY (EngineConfig.fault_injection): arm a real fault, see engine/faults.py."""
+        if self.faults is None:
+            raise RuntimeError("fault injection is off (EngineConfig.fault_injection)")
+        self.faults.arm(kind, count)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One batched step. A fault inside it fails only the requests of this step (each gets
+        a final output with `error`); the engine goes on serving the others."""
         start = time.perf_counter()
+        if self.faults is not None:
+            self.faults.fire("engine_crash")
         items = self.scheduler.schedule()
+        # Sequences that outgrew the whole KV pool end with `length` and a final output.
+        outputs = [self._output(seq, [], final=True) for seq in self.scheduler.take_truncated()]
         if not items:
-            return []
-        results = step(items, self.target, self.draft)
+            return outputs
+        try:
+            results = step(items, self.target, self.draft)
+        except Exception as exc:
+            return outputs + self._fail([it.seq for it in items], exc)
         self.metrics.data.num_steps += 1
-        outputs = []
+        draft_errors = [r for r in results if r.draft_error is not None]
+        if draft_errors:
+            self.metrics.data.num_draft_failures += 1
+            logger.error("the draft failed; requests %s continue in baseline mode",
+                         [r.item.seq.request_id for r in draft_errors],
+                         exc_info=draft_errors[0].draft_error)
         for r in results:
-            out = self._apply(r)
+            try:
+                out = self._apply(r)
+            except Exception as exc:
+                outputs += self._fail([r.item.seq], exc)
+                continue
             if out is not None:
                 outputs.append(out)
         self._calibrate(items, time.perf_counter() - start)
+        return outputs
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
+        """End these requests with an error (their KV freed); logged with their ids."""
+        ids = [s.request_id for s in seqs if s.request_id in self.seqs]
+        logger.error("engine step failed for requests %s", ids, exc_info=exc)
+        self.metrics.data.num_failed_steps += 1
+        message = (f"the engine failed while running this request ({type(exc).__name__}); "
+                   f"it was stopped")
+        outputs = []
+        for seq in seqs:
+            if seq.request_id not in self.seqs:
+                continue
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            del self.seqs[seq.request_id], self.detok[seq.request_id]
+            outputs.append(RequestOutput(seq.request_id, "", [], True, FinishReason.ERROR,
+                                         seq.num_prompt, seq.num_output, seq.mode,
+                                         error=message))
         return outputs
 
     def _calibrate(self, items, seconds: float) -> None:
@@ -191,6 +249,9 @@ class LLMEngine:
 
     def _apply(self, r: StepResult) -> RequestOutput | None:
         seq, it = r.item.seq, r.item
+        if r.draft_error is not None:         # continue on the target alone, draft KV freed
+            self.scheduler.drop_speculation(seq)
+            seq.reason = DRAFT_UNAVAILABLE
         if not r.tokens:                      # a prefill chunk: KV written, nothing sampled
             seq.num_computed += it.num_feed
             return None
@@ -242,7 +303,8 @@ class LLMEngine:
                              len(seq.draft_blocks) * self.pool.block_bytes,
                              num_speculative_tokens=seq.num_speculative_output,
                              num_draft_tokens=seq.num_draft_tokens,
-                             num_accepted_tokens=seq.num_accepted)
+                             num_accepted_tokens=seq.num_accepted,
+                             reason=seq.reason)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

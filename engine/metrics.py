@@ -18,6 +18,8 @@ class MetricsSnapshot:
     num_steps: int = 0
     num_preemptions: int = 0
     num_spec_downgrades: int = 0
+    num_failed_steps: int = 0            # steps (or results) whose requests ended with an error
+    num_draft_failures: int = 0          # steps where the draft raised; its sequences went baseline
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -49,4 +51,5 @@ class Metrics:
         d = self.data
         return MetricsSnapshot(d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens,
                                list(d.num_accepted_tokens_per_pos), d.num_emitted_tokens,
-                               d.num_steps, num_preemptions, num_spec_downgrades)
+                               d.num_steps, num_preemptions, num_spec_downgrades,
+                               d.num_failed_steps, d.num_draft_failures)

@@ -17,6 +17,9 @@ from engine.attention import PagedAttention, SeqSlice
 class Peers(Protocol):
     """The other ranks of a tensor-parallel group (see deployments/tp_group.py)."""
 
+    def configure_pool(self, tokens_per_block: int, num_blocks: int) -> None:
+        """Give every rank rank 0's KV pool layout (called once, before the first forward)."""
+
     def launch(self, input_ids: list[int], positions: list[int], seqs: list[SeqSlice]) -> None: ...
 
     def wait(self) -> None: ...

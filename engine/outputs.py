@@ -25,6 +25,8 @@ class RequestOutput:
     num_speculative_tokens: int = 0   # output tokens emitted while in speculative mode (billing)
     num_draft_tokens: int = 0         # draft tokens proposed / accepted so far (cumulative)
     num_accepted_tokens: int = 0
+    reason: str | None = None                     # e.g. "draft_unavailable": now baseline
+    error: str | None = None                      # the request failed (finish_reason "error")
 
 
 @dataclass

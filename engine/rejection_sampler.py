@@ -52,7 +52,7 @@ def rejection_sample(
         if target_probs is not None:
             p = target_probs[target_row, draft_ids]
             q = draft_probs[torch.arange(num_draft_tokens, device=device), draft_ids]
-            accept = torch.where(greedy_t[seq_of], accept, uniform * q <= p)    # u < p/q
+            accept = torch.where(greedy_t[seq_of], accept, uniform * q < p)     # u < p/q, strict
         # Leading run of accepts per sequence: padded [batch_size, k_max] then cumprod.
         pos = torch.arange(num_draft_tokens, device=device) - cu_draft[seq_of]
         padded = torch.zeros(batch, int(k.max()), dtype=torch.long, device=device)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling_params import GREEDY_BELOW
+
 
 @dataclass
 class RowParams:
@@ -23,7 +25,9 @@ class RowParams:
 
     @classmethod
     def build(cls, params: list, generators: list, device) -> "RowParams":
-        return cls(temperature=torch.tensor([p.temperature for p in params], device=device),
+        # A greedy request's row is exactly 0, so the row and `params.greedy` never disagree.
+        return cls(temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params],
+                                            device=device),
                    top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
                    top_p=torch.tensor([p.top_p for p in params], device=device),
                    generators=list(generators))
@@ -37,10 +41,12 @@ class RowParams:
 def probabilities(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """[num_rows, vocab_size] logits -> probabilities after temperature, top-k and top-p.
 
-    Greedy rows (temperature 0) get a one-hot on their argmax, the exact limit of T -> 0.
+    Greedy rows (temperature below GREEDY_BELOW) get a one-hot on their argmax, the exact limit
+    of T -> 0 (dividing by a tinier T would overflow to inf and NaN). Each row's top-k and top-p
+    cut applies to that row alone.
     """
     logits = logits.float()
-    greedy = rp.temperature == 0
+    greedy = rp.temperature < GREEDY_BELOW
     temp = torch.where(greedy, torch.ones_like(rp.temperature), rp.temperature)
     logits = logits / temp[:, None]
     if bool((rp.top_k > 0).any()) or bool((rp.top_p < 1).any()):
@@ -52,7 +58,8 @@ def probabilities(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
         sorted_probs = sorted_logits.softmax(dim=-1).masked_fill(drop, 0.0)
         sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs              # mass of better tokens
-        drop |= mass_before >= rp.top_p[:, None]                              # beyond top-p (keeps >= 1)
+        cut_p = (rp.top_p < 1)[:, None]              # rows without top-p keep their whole tail
+        drop |= cut_p & (mass_before >= rp.top_p[:, None])                    # beyond top-p (keeps >= 1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)

@@ -6,7 +6,7 @@ a 400). Does not own tokenization or the choice of tier (that is `router/policy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -19,36 +19,60 @@ class FinishReason(str, Enum):
     STOP = "stop"        # an eos token, a stop token id or a stop string
     LENGTH = "length"    # max_tokens reached (or the model's context is full)
     ABORT = "abort"      # aborted by the caller (disconnect) or the engine (shutdown)
+    ERROR = "error"      # the engine failed while running it (RequestOutput.error says why)
 
 
-@dataclass
+GREEDY_BELOW = 1e-5      # temperatures below this are greedy (1 / T would overflow the logits)
+MAX_TOP_K = 1 << 31      # top_k beyond the vocabulary is "off"; beyond this it is refused
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0          # 0 = greedy
+    """Checked on construction and immutable after (the engine trusts what it validated)."""
+    temperature: float = 1.0          # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0                # nucleus mass kept, (0, 1]
     top_k: int = 0                    # 0 = off
     max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None           # a seeded request is reproducible
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        low, high = SEED_RANGE
+        if self.seed is not None and (not _is_int(self.seed) or not low <= self.seed <= high):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -60,5 +84,7 @@ class RequestOptions:
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
-        if not 0 <= self.k_max <= 16:
+        if not _is_int(self.priority):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if not _is_int(self.k_max) or not 0 <= self.k_max <= 16:
             raise ValueError(f"k_max must be in 0..16, got {self.k_max}")

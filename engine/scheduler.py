@@ -58,6 +58,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_spec_downgrades = 0
+        self.truncated: list[Sequence] = []   # finished here (KV outgrown); the engine reports them
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -78,7 +79,17 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.truncated)
+
+    def _truncate(self, seq: Sequence) -> None:
+        """The sequence outgrew the whole pool: it ends with `length` (its final output is the
+        engine's job, from `take_truncated`), never silently."""
+        self.finish(seq, FinishReason.LENGTH)
+        self.truncated.append(seq)
+
+    def take_truncated(self) -> list[Sequence]:
+        out, self.truncated = self.truncated, []
+        return out
 
     # ---- block bookkeeping ------------------------------------------------------------------
     def _free_all(self, seq: Sequence) -> None:
@@ -116,6 +127,11 @@ class Scheduler:
         seq.mode = Mode.BASELINE
         self._free_draft(seq)
         self.num_spec_downgrades += 1
+
+    def drop_speculation(self, seq: Sequence) -> None:
+        """Baseline for good, draft KV freed (the draft failed, or memory is short)."""
+        if seq.speculative or seq.draft_blocks:
+            self._downgrade(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._free_all(seq)
@@ -166,7 +182,7 @@ class Scheduler:
                 continue
             victim = self._victims()[0]
             if len(self.running) == 1:   # alone and still too long for the whole pool
-                self.finish(victim, FinishReason.LENGTH)
+                self._truncate(victim)
             else:
                 self._preempt(victim)
             del items[id(victim)]
@@ -175,6 +191,9 @@ class Scheduler:
         # 3. Admit waiting sequences while tokens, sequence slots and blocks allow.
         while self.waiting and len(self.running) < limits.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if not self.fits_ever(len(seq.token_ids)):   # preempted after growing past the pool
+                self._truncate(seq)
+                continue
             n = min(len(seq.token_ids) - seq.num_computed, budget)
             item = ScheduledSeq(seq, n, 0)
             need = self._need(item)[0]

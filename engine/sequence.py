@@ -43,6 +43,7 @@ class Sequence:
         self.blocks: list[int] = []           # target KV blocks
         self.draft_blocks: list[int] = []     # draft KV blocks (speculative mode only)
         self.mode = self.options.mode         # may drop to BASELINE; never rises back
+        self.reason: str | None = None        # why the mode dropped, when the caller must know
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.generator: torch.Generator | None = None

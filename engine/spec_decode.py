@@ -5,6 +5,8 @@ rounds over the speculative sequences (its first round also catches up on tokens
 seen); 2. the target runs ONE forward over every scheduled sequence, each contributing its
 unseen tokens plus its k drafts; 3. the rejection sampler keeps accepted + 1 tokens per sequence.
 Sequences with k = 0 (baseline, or speculation not paying this step) ride in the same forward.
+If the draft fails (an exception in its forward), the step goes on without it: its sequences
+verify with k = 0 and their results say `draft_error`, so the engine drops them to baseline.
 The math lives in `engine/sampler.py` and `engine/rejection_sampler.py`; the KV rollback is only
 a count (`num_computed`), since slots past it are simply overwritten later.
 """
@@ -27,6 +29,7 @@ class StepResult:
     item: ScheduledSeq
     accepted: int            # draft tokens accepted (0 when k == 0)
     tokens: list[int]        # emitted tokens: accepted drafts + one recovered/bonus token
+    draft_error: BaseException | None = None   # the draft failed this step (k was set to 0)
 
 
 def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy: bool):
@@ -66,16 +69,23 @@ def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy
 
 def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | None) -> list[StepResult]:
     sampling = [it for it in items if it.samples]
-    spec = [it for it in sampling if it.k > 0]
+    spec = spec_items = [it for it in sampling if it.k > 0]
     greedy = all(it.seq.params.greedy for it in sampling)
     rp = RowParams.build([it.seq.params for it in sampling],
                          [it.seq.generator for it in sampling], target.device)
-    drafted = {}
+    drafted, draft_error = {}, None
     draft_ids, draft_q = torch.empty(0, dtype=torch.long, device=target.device), None
     if spec:
         spec_rows = [i for i, it in enumerate(sampling) if it.k > 0]
-        lists, draft_ids, draft_q = propose(draft, spec, rp.select(torch.tensor(spec_rows)), greedy)
-        drafted = {id(it): d for it, d in zip(spec, lists)}
+        try:
+            lists, draft_ids, draft_q = propose(draft, spec, rp.select(torch.tensor(spec_rows)),
+                                                greedy)
+            drafted = {id(it): d for it, d in zip(spec, lists)}
+        except Exception as exc:       # the draft is down: verify these sequences with k = 0
+            draft_error = exc
+            for it in spec:
+                it.k = 0
+            spec = []
 
     # Verify: one target forward over every scheduled sequence.
     seqs, ids, pos, rows = [], [], [], []
@@ -102,5 +112,7 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
     accepted, emitted = rejection_sample(draft_ids, ks, logits.argmax(dim=-1),
                                          [it.seq.params.greedy for it in sampling],
                                          p, draft_q, u, rp.generators)
-    results = {id(it): StepResult(it, a, t) for it, a, t in zip(sampling, accepted, emitted)}
+    failed = {id(it) for it in spec_items} if draft_error is not None else set()
+    results = {id(it): StepResult(it, a, t, draft_error if id(it) in failed else None)
+               for it, a, t in zip(sampling, accepted, emitted)}
     return [results.get(id(it), StepResult(it, 0, [])) for it in items]

@@ -3,7 +3,9 @@
 Owns: joining the group (gloo on CPU, NCCL on GPUs, every collective under a timeout) and
 `TPWorker`, which holds one shard of the target and its KV heads and runs the same forward as
 rank 0 on the inputs rank 0 sends it. Rank 0 is the engine itself (it also holds the draft and
-the block allocator: block ids are decided there and are the same on every rank).
+the block allocator: block ids are decided there and are the same on every rank). Rank 0 also
+decides the pool's layout (its blocks hold target and draft KV, which sets the tokens per block)
+and hands it to the other ranks (`configure_pool`), which never re-derive it.
 Ray-free: `deployments/tp_group.py` runs a TPWorker as a Ray actor; `LocalPeers` runs ranks as
 plain processes (tests, a GPU box without Ray).
 """
@@ -16,12 +18,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
 
 from engine.attention import SeqSlice
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
-from models.llama import LlamaForward, LlamaShape
+from models.llama import LlamaForward
 from models.loader import load_model
 
 COLLECTIVE_TIMEOUT_S = 30
@@ -42,30 +43,35 @@ def init_tp(rank: int, world: int, init_method: str, device: str = "cpu",
 
 
 class TPWorker:
-    """Rank r > 0: a shard of the target and a KV pool with the same block ids as rank 0."""
+    """Rank r > 0: a shard of the target and a KV pool with rank 0's layout and block ids."""
 
     def __init__(self, rank: int, world: int, init_method: str, target: str, dtype: str,
-                 device: str, kv_budget_bytes: int, block_size: int, num_threads: int = 1,
-                 draft: str | None = None):
+                 device: str, num_threads: int = 1):
         torch.set_num_threads(num_threads)
         all_reduce = init_tp(rank, world, init_method, device)
         model = load_model(target, dtype, device)
         self.forward = LlamaForward(model.model, rank, world, all_reduce)
+        self.device = device
         del model
+        self.pool: BlockPool | None = None
+        self.runner: ModelRunner | None = None
+
+    def configure_pool(self, tokens_per_block: int, num_blocks: int) -> None:
+        """Take rank 0's layout: its tokens per block (set by target + draft) and block count."""
         s = self.forward.shape
         layout = (s.num_layers, s.num_kv_heads, s.head_dim)
-        # The same budget and block layout as rank 0 (whose pool also holds the draft, which
-        # sets the tokens per block), hence the same number of blocks and the same block ids.
-        draft_layout = None
-        if draft:
-            d = LlamaShape.from_config(AutoConfig.from_pretrained(draft))
-            draft_layout = (d.num_layers, d.num_kv_heads, d.head_dim)
-        self.pool = BlockPool(kv_budget_bytes, layout, block_size, self.forward.dtype, device,
-                              draft_layout)
+        block_bytes = (tokens_per_block * 2 * s.num_layers * s.num_kv_heads * s.head_dim
+                       * torch.empty((), dtype=self.forward.dtype).element_size())
+        # A target-only pool whose block is exactly tokens_per_block of this rank's KV heads.
+        self.pool = BlockPool(num_blocks * block_bytes, layout, tokens_per_block,
+                              self.forward.dtype, self.device)
+        assert self.pool.num_blocks == num_blocks
+        assert self.pool.target.tokens_per_block == tokens_per_block
         self.runner = ModelRunner(self.forward, self.pool.view(self.pool.target))
-        # (Rank 0 decides block ids; this pool has the same count and layout, target only.)
 
     def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple]) -> None:
+        if self.runner is None:
+            raise RuntimeError("configure_pool(rank 0's layout) must come before the first run")
         self.runner.hidden([SeqSlice(*s) for s in seqs], input_ids, positions)
 
     def ping(self) -> int:
@@ -79,7 +85,8 @@ def _serve(conn, kwargs) -> None:
         msg = conn.recv()
         if msg is None:
             return
-        worker.run(*msg)
+        method, args = msg
+        getattr(worker, method)(*args)
         conn.send(True)
 
 
@@ -87,16 +94,14 @@ class LocalPeers:
     """Ranks 1..N-1 as local processes (spawned), driven over pipes. Implements `Peers`."""
 
     def __init__(self, world: int, target: str, dtype: str = "float32", device: str = "cpu",
-                 kv_budget_bytes: int = 64 << 20, block_size: int = 16, port: int = 29511,
-                 draft: str | None = None):
+                 port: int = 29511):
         self.init_method = f"tcp://127.0.0.1:{port}"
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(1, world):
             parent, child = ctx.Pipe()
             kwargs = dict(rank=rank, world=world, init_method=self.init_method, target=target,
-                          dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes,
-                          block_size=block_size, draft=draft)
+                          dtype=dtype, device=device)
             proc = ctx.Process(target=_serve, args=(child, kwargs), daemon=True)
             proc.start()
             self.conns.append(parent)
@@ -105,10 +110,15 @@ class LocalPeers:
         for c in self.conns:
             assert c.recv() == "ready"
 
+    def configure_pool(self, tokens_per_block: int, num_blocks: int) -> None:
+        for c in self.conns:
+            c.send(("configure_pool", (tokens_per_block, num_blocks)))
+        self.wait()
+
     def launch(self, input_ids, positions, seqs) -> None:
         msg = (input_ids, positions, [(s.block_table, s.num_cached, s.num_query) for s in seqs])
         for c in self.conns:
-            c.send(msg)
+            c.send(("run", msg))
 
     def wait(self) -> None:
         for c in self.conns:

@@ -102,7 +102,8 @@ class Accounting:
         if charge.tier == "small":
             mode = "baseline"
         dropped = charge.requested_mode == "speculative" and mode != "speculative"
-        return billed_usage(self.prices, run, charge.reason, mode, dropped,
+        reason = getattr(last, "reason", None) or charge.reason   # the engine may change it
+        return billed_usage(self.prices, run, reason, mode, dropped,
                             getattr(last, "acceptance_rate", None),
                             getattr(last, "mean_acceptance_length", None))
 
@@ -117,7 +118,7 @@ class Accounting:
         self.ledger.record(LedgerRecord(
             request_id=charge.request_id, key_id=charge.key_id, key_name=charge.key_name,
             plan=charge.plan, endpoint=charge.endpoint, api=charge.api, tier=charge.tier,
-            reason=charge.reason, mode=usage.mode, speculation_dropped=usage.speculation_dropped,
+            reason=usage.reason, mode=usage.mode, speculation_dropped=usage.speculation_dropped,
             status=status, http_status=http_status, prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens, speculative_tokens=usage.speculative_tokens,
             draft_tokens=usage.draft_tokens, accepted_tokens=usage.accepted_tokens,

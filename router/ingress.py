@@ -320,6 +320,7 @@ class Ingress:
         except asyncio.CancelledError:
             self._end(charge, last, "client_gone", 499)
             raise
+        headers["x-specserve-reason"] = usage.reason       # the engine may have changed it
         make = chat_body if chat else completion_body
         self.m_requests.inc(tags={"status": "200", "tier": tier, "api": api})
         return JSONResponse(make(request_id, body.model, "".join(parts), last.finish_reason, usage,

@@ -32,6 +32,7 @@ class ReplicaStats:
     """One replica's engine stats as its `record_routing_stats()` reported them."""
     replica_id: str
     kind: str = "target"                 # target (speculative + baseline) | small
+    available: bool = True               # False: its engine loop died (Serve is replacing it)
     time: float = 0.0                    # when the replica measured them (its clock)
     num_running: int = 0
     num_waiting: int = 0
@@ -79,7 +80,8 @@ class TierSnapshot:
     @property
     def next_replica(self) -> ReplicaStats | None:
         """The replica the router sends the next request to: the least loaded."""
-        return min(self.replicas, key=lambda r: (r.load, -r.kv_headroom), default=None)
+        return min(self.replicas, key=lambda r: (not r.available, r.load, -r.kv_headroom),
+                   default=None)
 
     @property
     def num_running(self) -> int:
@@ -96,9 +98,11 @@ class TierSnapshot:
 
 
 def _load_key(replica: RunningReplica) -> tuple:
+    """Unavailable replicas (engine loop dead, awaiting replacement) last, then least loaded."""
     stats = replica.routing_stats or {}
     used = stats.get("kv_used_target_bytes", 0) + stats.get("kv_used_draft_bytes", 0)
-    return (stats.get("num_running", 0) + stats.get("num_waiting", 0), used)
+    return (not stats.get("available", True),
+            stats.get("num_running", 0) + stats.get("num_waiting", 0), used)
 
 
 class StatsRequestRouter(FIFOMixin, RequestRouter):

@@ -3,6 +3,8 @@
 `make_family(root)` writes a shared byte-level BPE tokenizer and three `LlamaForCausalLM`
 folders: a target (grouped-query attention), a draft made from the target's weights plus noise
 (so it agrees often but not always, like a distilled draft), and a small model.
+`make_odd_draft(folder, target_folder)` adds a draft whose KV shape differs from the target's
+(more layers, a wider head), as a 7B draft's differs from a 70B target's.
 """
 
 from __future__ import annotations
@@ -63,3 +65,16 @@ def make_family(root: Path) -> dict[str, Path]:
     make_llama(paths["draft"], tokenizer, seed=1, base=target, noise=0.15)
     make_llama(paths["small"], tokenizer, layers=1, hidden=32, heads=2, kv_heads=1, mlp=64, seed=2)
     return paths
+
+
+def make_odd_draft(folder: Path, target_folder: Path) -> Path:
+    """A draft with its own random weights and another KV shape: 3 layers, head_dim 24 (the
+    target has 2 layers, head_dim 16), sharing the target's tokenizer. Its KV per token is not a
+    divisor of the target's, so a pool holding both uses more tokens per block than block_size."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
+    make_llama(folder, tokenizer, layers=3, hidden=96, heads=4, kv_heads=2, mlp=96, seed=3)
+    return folder

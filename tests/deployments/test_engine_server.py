@@ -92,3 +92,70 @@ def test_no_ray_instance_was_started():
     import ray
 
     assert not ray.is_initialized()   # the replica classes run in a plain process without Ray
+
+
+def test_a_failed_request_is_503_and_the_replica_serves_on(tiny_family):
+    server = _server(SmallServer, tiny_family, engine_args={"fault_injection": True})
+    try:
+        server.engine.inject_fault("target_raise")       # the next forward raises
+        with pytest.raises(TierError) as err:
+            _collect(server, _request(prompt="x", sampling={"max_tokens": 4, "temperature": 1.0}))
+        assert err.value.status == 503 and err.value.code == "engine_error"
+        assert "injected" not in err.value.message       # no exception text to the client
+        server.check_health()
+        assert server.record_routing_stats()["available"] is True
+        assert _collect(server, _request(prompt="def add(a, b):"))[-1].finished
+        assert server.engine.stats().kv_used_target_bytes == 0
+    finally:
+        server.engine.shutdown()
+
+
+def test_a_failing_draft_continues_in_baseline_with_its_reason(tiny_family):
+    server = _server(TargetServer, tiny_family, engine_args={"fault_injection": True,
+                                                             "adaptive_k": False})
+    try:
+        async def run():
+            req = _request(tier="speculative", mode="speculative", k_max=3, prompt="def add(a, b):",
+                           sampling={"max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            chunks = []
+            async for chunk in server.generate(req):
+                if len(chunks) == 1:
+                    await server.inject_fault("draft_raise")
+                chunks.append(chunk)
+            return chunks
+
+        chunks = asyncio.run(run())
+        assert chunks[0].mode == "speculative" and chunks[-1].mode == "baseline"
+        assert chunks[-1].reason == "draft_unavailable" and chunks[-1].finished
+        assert sum(len(c.token_ids) for c in chunks) == 12
+        assert server.engine.stats().kv_used_draft_bytes == 0
+    finally:
+        server.engine.shutdown()
+
+
+def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
+    from router.live_stats import ReplicaStats, TierSnapshot, _load_key
+
+    server = _server(SmallServer, tiny_family, engine_args={"fault_injection": True})
+    try:
+        server.check_health()
+        server.engine.inject_fault("engine_crash")
+        with pytest.raises(TierError) as err:
+            _collect(server, _request(prompt="hi"))
+        assert err.value.status == 503 and err.value.code == "replica_failed"
+        with pytest.raises(RuntimeError, match="engine loop stopped"):
+            server.check_health()
+        dead = server.record_routing_stats()
+        assert dead["available"] is False and dead["num_running"] == 0
+
+        class Replica:                 # what Serve's router holds: the replica's reported stats
+            def __init__(self, stats):
+                self.routing_stats = stats
+
+        busy = {"available": True, "num_running": 5, "num_waiting": 3}
+        assert sorted([Replica(dead), Replica(busy)], key=_load_key)[0].routing_stats is busy
+        snapshot = TierSnapshot("SmallServer", [ReplicaStats.from_routing_stats("dead", dead),
+                                                ReplicaStats.from_routing_stats("busy", busy)])
+        assert snapshot.next_replica.replica_id == "busy"
+    finally:
+        server.engine.shutdown()

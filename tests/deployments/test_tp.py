@@ -1,8 +1,9 @@
 """A tensor-parallel target replica (TP = 2 on CPU, gloo) on a local Ray cluster.
 
 One Serve replica owns a placement group of two bundles; rank 1 is a child actor in bundle 1.
-Checks that TP = 2 gives TP = 1's greedy tokens, and that killing rank 1 brings the whole
-group down and back (the replica exits at once, Serve builds a new group).
+Checks that TP = 2 gives TP = 1's greedy tokens (with a draft whose KV shape differs from the
+target's), and that killing rank 1 brings the whole group down and back (the replica exits at
+once, Serve builds a new group).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ PROMPTS = ["def add(a, b):", "class Point:\n    def"]
 
 
 @pytest.fixture(scope="module")
-def app(tiny_family, module_tmp):
-    with served_app(module_tmp, tiny_family, small=None,
+def app(tiny_family, odd_draft, module_tmp):
+    # The draft's KV shape differs from the target's (the production 70B/7B case): rank 0's pool
+    # uses more tokens per block than block_size, and rank 1 must take that layout from it.
+    family = {**tiny_family, "draft": odd_draft}
+    with served_app(module_tmp, family, small=None,
                     target={"tp_size": 2, "num_cpus_per_rank": 0.5,
                             "engine_args": {"adaptive_k": False}}) as served:   # always draft
         yield served

@@ -53,3 +53,21 @@ def test_errors_come_before_the_first_output(aengine):
     with pytest.raises(PromptTooLongError, match="at most 255"):
         asyncio.run(go())
     assert aengine.is_alive
+
+
+def test_a_failed_request_gets_an_error_and_the_engine_serves_on(aengine):
+    from engine.errors import RequestFailedError
+
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    object.__setattr__(params, "top_k", 9223372036854775808)   # forced past validation
+
+    async def collect(rid, p):
+        return [o async for o in aengine.generate(rid, [5, 7, 9], p)]
+
+    with pytest.raises(RequestFailedError, match="engine failed"):
+        asyncio.run(collect("bad", params))
+    assert aengine.is_alive
+    chunks = asyncio.run(collect("good", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
+    assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 5
+    stats = aengine.stats()
+    assert stats.kv_used_target_bytes == 0 and stats.num_running == 0

@@ -1,0 +1,49 @@
+"""Test-only fault injection, off by default: real exceptions raised inside a model's forward.
+
+Enabled by `EngineConfig(fault_injection=True)` (a deployment sets it through the tier's
+`engine_args`); never on in production configs. When enabled, the engine wraps its draft
+and target runners in `FaultyRunner`, and `LLMEngine.inject_fault("draft_raise", n)` (or
+`"target_raise"`) makes the next n forwards of that model raise `InjectedFault` from inside the
+forward call, exactly where a real device error would surface. `"engine_crash"` raises at the
+start of the next `LLMEngine.step`, outside its per-step isolation, so the async engine's loop
+dies (a stand-in for a bug in the scheduler).
+The fault tests use them to check that speculation degrades to baseline and that a dead engine
+fails its health check and stops receiving traffic.
+"""
+
+from __future__ import annotations
+
+KINDS = ("draft_raise", "target_raise", "engine_crash")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an armed fault (never outside tests)."""
+
+
+class Faults:
+    def __init__(self) -> None:
+        self.pending = {kind: 0 for kind in KINDS}
+
+    def arm(self, kind: str, count: int = 1) -> None:
+        if kind not in self.pending:
+            raise ValueError(f"unknown fault {kind!r}; known: {KINDS}")
+        self.pending[kind] += count
+
+    def fire(self, kind: str) -> None:
+        if self.pending[kind] > 0:
+            self.pending[kind] -= 1
+            raise InjectedFault(f"injected fault: {kind}")
+
+
+class FaultyRunner:
+    """A ModelRunner whose `run` raises when its fault is armed; everything else passes through."""
+
+    def __init__(self, runner, faults: Faults, kind: str):
+        self._runner, self._faults, self._kind = runner, faults, kind
+
+    def run(self, *args, **kwargs):
+        self._faults.fire(self._kind)
+        return self._runner.run(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
