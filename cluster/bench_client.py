@@ -156,15 +156,17 @@ class HealthSampler:
     """Polls `/health` while a run lasts: peak KV bytes (target, draft) and queue, and the
     target's live acceptance, from what the replicas report to the router."""
 
-    def __init__(self, client: httpx.AsyncClient, period_s: float = 0.5):
+    def __init__(self, client: httpx.AsyncClient, period_s: float = 0.5, admin_key: str | None = None):
+        # /health shows the tiers' details to admin keys only (router/admin.py)
         self.client, self.period_s = client, period_s
+        self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.samples: list[tuple[float, dict]] = []
         self._task: asyncio.Task | None = None
 
     async def _loop(self):
         while True:
             try:
-                r = await self.client.get("/health", timeout=5)
+                r = await self.client.get("/health", timeout=5, headers=self.headers)
                 self.samples.append((time.monotonic(), r.json().get("tiers", {})))
             except (httpx.HTTPError, ValueError):
                 pass

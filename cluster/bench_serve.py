@@ -28,6 +28,8 @@ def add_arguments(parser) -> None:
     a = parser.add_argument
     a("--url", default="http://127.0.0.1:8000", help="the running app (default: %(default)s)")
     a("--key", default=os.environ.get("SPECSERVE_API_KEY"), help="API key of plan auto ($SPECSERVE_API_KEY)")
+    a("--admin-key", default=os.environ.get("SPECSERVE_ADMIN_KEY"),
+      help="admin key: /health then shows KV and acceptance ($SPECSERVE_ADMIN_KEY)")
     a("--start-local", metavar="FAMILY", help="start a local cluster serving this family folder first")
     a("--config", default=None, help="app YAML for --start-local (default: cluster/configs/local.yaml)")
     a("--num-cpus", type=int, default=None, help="CPUs for Ray with --start-local")
@@ -77,7 +79,7 @@ async def run_one(client, policy: str, load: tuple[str, float], workload, model:
         records.append(rec)
         return rec
 
-    sampler = HealthSampler(client)
+    sampler = HealthSampler(client, admin_key=args.admin_key)
     sampler.start()
     start = time.monotonic() + args.warmup_s
     end = start + args.duration_s
@@ -187,7 +189,8 @@ def run(args) -> int:
     if args.start_local:
         from cluster.bench_local import local_cluster
 
-        with local_cluster(args.start_local, args.config, args.num_cpus) as (url, key):
+        with local_cluster(args.start_local, args.config, args.num_cpus) as (url, key, admin_key):
+            args.admin_key = admin_key
             report = asyncio.run(bench(url, key, args))
     else:
         if not args.key:
@@ -197,7 +200,7 @@ def run(args) -> int:
         report = asyncio.run(bench(args.url, args.key, args))
     from_cli = sys.argv[1:3] == ["bench", "serve"]
     report["command"] = "specserve bench serve " + " ".join(sys.argv[3:]) if from_cli else None
-    report["args"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "key"}
+    report["args"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("key", "admin_key")}
     report["machine"] = {"host": platform.node(), "cpus": os.cpu_count(),
                          "loadavg_at_end": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     json_path = out.with_suffix(".json")

@@ -34,7 +34,8 @@ def test_bench_serve_writes_consistent_numbers(app, tmp_path):
     from cluster.cli import main
 
     out = tmp_path / "serve"
-    rc = main(["bench", "serve", "--url", app.url, "--key", app.keys["auto"], "--users", "2",
+    rc = main(["bench", "serve", "--url", app.url, "--key", app.keys["auto"],
+               "--admin-key", app.admin_key, "--users", "2",
                "--rates", "3", "--warmup-s", "1", "--duration-s", "3", "--repeats", "1",
                "--output-tokens", "12", "--out", str(out)])
     assert rc == 0
