@@ -25,6 +25,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench engine", "cluster.bench_engine", "benchmark the engine side by side with transformers"),
     ("bench sampler", "cluster.bench_sampler", "acceptance of the coupled (seeded) sampler next to rejection sampling"),
     ("bench overload", "cluster.bench_overload", "drive a running cluster at 4x its capacity; check nothing is lost"),
+    ("bench serve", "cluster.bench_serve", "drive a running cluster over HTTP: policies x loads, JSON + PNG"),
     ("simulate", "cluster.simulate", "run the capacity simulator on a scenario"),
     ("keys add", "cluster.keys", "create an API key bound to a pricing plan (live, no restart)"),
     ("keys list", "cluster.keys", "list API keys (ids, names, plans, status; never the keys)"),

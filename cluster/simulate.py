@@ -34,13 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", type=Path, help="write the tables as markdown here")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (same seed, same result)")
     parser.add_argument("--quick", action="store_true", help="a few loads only")
+    from cluster.sim_local import add_arguments as local_arguments
+
+    local_arguments(parser)          # --scenario local-cpu: this machine's profiled family
 
 
 def run(args: argparse.Namespace) -> int:
     if args.list:
         for s in SCENARIOS.values():
             print(f"{s.name:14s} {s.description}")
+        print(f"{'local-cpu':14s} this machine's profiled engines of the served family (cluster/sim_local.py)")
         return 0
+    if args.scenario == "local-cpu":
+        from cluster.sim_local import run_local
+
+        return run_local(args)
     if args.scenario not in SCENARIOS:
         print(f"specserve simulate: unknown scenario {args.scenario!r}; try --list", file=sys.stderr)
         return 2

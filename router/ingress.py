@@ -403,7 +403,7 @@ class Ingress:
         self.live.start()
         tiers = {kind: {"replicas": len(s.replicas), "running": s.num_running,
                         "waiting": s.num_waiting, "kv_headroom": round(s.kv_headroom, 4),
-                        "replica_ids": [r.replica_id for r in s.replicas]}
+                        "replica_ids": [r.replica_id for r in s.replicas], **_kv_and_acceptance(s)}
                  for kind, s in self.live.snapshots().items()}
         ready = all(t["replicas"] > 0 for t in tiers.values())
         status = "draining" if self.admission.draining else "ok" if ready else "starting"
@@ -426,6 +426,17 @@ class Ingress:
 
     async def check_health(self) -> None:
         self.live.start()     # the first health check runs on the replica's loop: start polling
+
+
+def _kv_and_acceptance(snapshot) -> dict:
+    """KV bytes held (target, draft) summed over a tier's replicas, and their live per-token
+    acceptance: read-only numbers for `specserve bench serve` and operators."""
+    reps = snapshot.replicas
+    acc = [r.token_acceptance for r in reps if r.token_acceptance is not None]
+    return {"kv_budget_bytes": sum(r.kv_budget_bytes for r in reps),
+            "kv_used_target_bytes": sum(r.kv_used_target_bytes for r in reps),
+            "kv_used_draft_bytes": sum(r.kv_used_draft_bytes for r in reps),
+            "token_acceptance": sum(acc) / len(acc) if acc else None}
 
 
 IngressDeployment = serve.deployment(serve.ingress(app)(Ingress), name="Ingress")

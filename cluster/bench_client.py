@@ -1,0 +1,201 @@
+"""The load side of `specserve bench serve`: streamed OpenAI completions over HTTP, closed-loop
+users and open-loop Poisson arrivals, and a sampler of the cluster's `/health` during a run.
+
+A policy is an endpoint plus body fields, chosen through the public API only:
+  standard        /standard/v1   baseline (no speculation)
+  premium         /premium/v1    speculative, the engine's adaptive k (k <= k_max per step)
+  auto            /v1            the router picks the tier from load and live acceptance
+  economy         /economy/v1    the small model
+  always-adaptive /v1 + "speculation": "on"   speculative with adaptive k whatever the load
+(premium and always-adaptive take the same tier and k rule; they differ in price and in the
+reason the ingress reports, and measuring both shows the run-to-run noise side by side.)
+Owns HTTP, SSE parsing and timing; the statistics are `cluster/bench_stats.py`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from cluster.bench_stats import RequestRecord
+
+POLICIES = {
+    "standard": ("/standard/v1", {}),
+    "premium": ("/premium/v1", {}),
+    "auto": ("/v1", {}),
+    "economy": ("/economy/v1", {}),
+    "always-adaptive": ("/v1", {"speculation": "on"}),
+}
+ERROR_STATUS = {"invalid_request_error": 400, "authentication_error": 401,
+                "permission_error": 403, "not_found_error": 404, "rate_limit_error": 429,
+                "overloaded_error": 503, "server_error": 500}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_class: str
+    text: str
+    max_tokens: int
+
+
+async def send(client: httpx.AsyncClient, policy: str, prompt: Prompt, model: str,
+               temperature: float, ignore_eos: bool) -> RequestRecord:
+    """One streamed completion; every outcome (error, exception) becomes a record."""
+    prefix, extra = POLICIES[policy]
+    body = {"model": model, "prompt": prompt.text, "max_tokens": prompt.max_tokens,
+            "temperature": temperature, "stream": True, "return_token_ids": True,
+            "ignore_eos": ignore_eos, **extra}
+    rec = RequestRecord(policy=policy, prompt_class=prompt.prompt_class, sent=time.monotonic())
+    try:
+        async with client.stream("POST", f"{prefix}/completions", json=body) as resp:
+            rec.status = resp.status_code
+            rec.tier = resp.headers.get("x-specserve-tier")
+            rec.reason = resp.headers.get("x-specserve-reason")
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                rec.error = _error_code(text)
+                rec.finished = time.monotonic()
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    break
+                _event(rec, json.loads(payload), time.monotonic())
+        rec.finished = time.monotonic()
+    except (httpx.HTTPError, OSError, json.JSONDecodeError) as exc:
+        rec.status, rec.error = type(exc).__name__, str(exc)[:200]
+    if rec.status == 200 and rec.finished is not None and rec.prompt_tokens == 0:
+        rec.status = "no_usage"      # a 200 stream that ended without its usage chunk
+    return rec
+
+
+def _event(rec: RequestRecord, data: dict, now: float) -> None:
+    if "error" in data:             # an error after the stream began (status already 200)
+        err = data["error"]
+        rec.status = ERROR_STATUS.get(err.get("type"), "stream_error")
+        rec.error = err.get("code") or err.get("message", "")[:200]
+        return
+    choice = (data.get("choices") or [{}])[0]
+    n = len(choice.get("token_ids") or [])
+    if n:
+        rec.token_times.append((now, n))
+    usage = data.get("usage")
+    if usage:
+        rec.prompt_tokens = usage["prompt_tokens"]
+        rec.completion_tokens = usage["completion_tokens"]
+        rec.tier, rec.reason = usage.get("tier", rec.tier), usage.get("reason", rec.reason)
+        rec.acceptance_rate = usage.get("acceptance_rate")
+        rec.mean_acceptance_length = usage.get("mean_acceptance_length")
+
+
+def _error_code(text: str) -> str:
+    try:
+        err = json.loads(text).get("error", {})
+        return err.get("code") or err.get("type") or text[:200]
+    except (json.JSONDecodeError, AttributeError):
+        return text[:200]
+
+
+class Workload:
+    """Draws prompts: uniform over classes (a `mix` weight each), uniform within a class, and
+    max_tokens uniform in [mean * (1 - spread), mean * (1 + spread)]."""
+
+    def __init__(self, prompts: dict[str, list[str]], mix: dict[str, float], output_tokens: int,
+                 spread: float, seed: int):
+        self.prompts = {c: p for c, p in prompts.items() if mix.get(c, 0) > 0 and p}
+        if not self.prompts:
+            raise ValueError("the prompt mix selects no prompts")
+        self.classes = sorted(self.prompts)
+        self.weights = [mix[c] for c in self.classes]
+        self.low = max(1, round(output_tokens * (1 - spread)))
+        self.high = max(self.low, round(output_tokens * (1 + spread)))
+        self.rng = random.Random(seed)
+
+    def draw(self) -> Prompt:
+        cls = self.rng.choices(self.classes, self.weights)[0]
+        return Prompt(cls, self.rng.choice(self.prompts[cls]), self.rng.randint(self.low, self.high))
+
+
+async def closed_loop(issue, users: int, stop_at: float, think_s: float, rng: random.Random,
+                      error_pause_s: float = 0.5):
+    """`users` users, each: send, wait for the answer, think (exponential, mean think_s). A user
+    whose request failed pauses `error_pause_s` first (a 429 asks for it; the others should not
+    turn a closed loop into a flood)."""
+    async def user(i: int):
+        await asyncio.sleep(i * 0.01)            # do not fire every first request at once
+        while time.monotonic() < stop_at:
+            rec = await issue()
+            if rec is not None and not rec.ok:
+                await asyncio.sleep(error_pause_s)
+            if think_s > 0:
+                await asyncio.sleep(rng.expovariate(1 / think_s))
+    await asyncio.gather(*(user(i) for i in range(users)))
+
+
+async def poisson(issue, rate: float, stop_at: float, rng: random.Random):
+    """Open loop: arrivals at exponential gaps (mean 1/rate), whatever the answers do."""
+    tasks = []
+    next_at = time.monotonic()
+    while True:
+        next_at += rng.expovariate(rate)
+        if next_at >= stop_at:
+            break
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        tasks.append(asyncio.create_task(issue()))
+    await asyncio.gather(*tasks)
+
+
+class HealthSampler:
+    """Polls `/health` while a run lasts: peak KV bytes (target, draft) and queue, and the
+    target's live acceptance, from what the replicas report to the router."""
+
+    def __init__(self, client: httpx.AsyncClient, period_s: float = 0.5, admin_key: str | None = None):
+        # /health shows the tiers' details to admin keys only (router/admin.py)
+        self.client, self.period_s = client, period_s
+        self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.samples: list[tuple[float, dict]] = []
+        self._task: asyncio.Task | None = None
+
+    async def _loop(self):
+        while True:
+            try:
+                r = await self.client.get("/health", timeout=5, headers=self.headers)
+                self.samples.append((time.monotonic(), r.json().get("tiers", {})))
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(self.period_s)
+
+    def start(self):
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self):
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def peaks(self, start: float, end: float) -> dict:
+        out: dict[str, dict] = {}
+        for t, tiers in self.samples:
+            if not start <= t < end:
+                continue
+            for kind, s in tiers.items():
+                p = out.setdefault(kind, {"samples": 0, "acceptance": []})
+                p["samples"] += 1
+                for key in ("kv_used_target_bytes", "kv_used_draft_bytes", "running", "waiting"):
+                    if key in s:
+                        p[f"peak_{key}"] = max(p.get(f"peak_{key}", 0), s[key])
+                p["peak_kv_used_fraction"] = max(p.get("peak_kv_used_fraction", 0.0),
+                                                 1.0 - s.get("kv_headroom", 1.0))
+                if s.get("token_acceptance") is not None:
+                    p["acceptance"].append(s["token_acceptance"])
+        for p in out.values():
+            acc = p.pop("acceptance")
+            p["mean_token_acceptance"] = sum(acc) / len(acc) if acc else None
+        return out

@@ -1,0 +1,215 @@
+"""`specserve bench serve`: the seed's experiment through HTTP on a running cluster.
+
+Drives the OpenAI API (streamed completions, a real API key, the pricing endpoints) with
+closed-loop users and open-loop Poisson arrivals, for each policy (`cluster/bench_client.py`
+says how a policy is chosen through the API) and load, `--repeats` times with the policies'
+order rotated, each run a warm-up then a measured window. Writes JSON (per-repeat and pooled
+numbers, auto against the best fixed policy) and a PNG (`cluster/bench_plot.py`), and prints a
+table. `--start-local FAMILY` starts a local Ray cluster with the app first (as `specserve up`
+does, with a fresh key of plan auto, which covers every endpoint); else `--url` and `--key`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+FIXED = ("standard", "premium", "always-adaptive")     # the fixed policies auto must match
+
+
+def add_arguments(parser) -> None:
+    a = parser.add_argument
+    a("--url", default="http://127.0.0.1:8000", help="the running app (default: %(default)s)")
+    a("--key", default=os.environ.get("SPECSERVE_API_KEY"), help="API key of plan auto ($SPECSERVE_API_KEY)")
+    a("--admin-key", default=os.environ.get("SPECSERVE_ADMIN_KEY"),
+      help="admin key: /health then shows KV and acceptance ($SPECSERVE_ADMIN_KEY)")
+    a("--start-local", metavar="FAMILY", help="start a local cluster serving this family folder first")
+    a("--config", default=None, help="app YAML for --start-local (default: cluster/configs/local.yaml)")
+    a("--num-cpus", type=int, default=None, help="CPUs for Ray with --start-local")
+    a("--policies", default="auto,premium,standard,economy,always-adaptive")
+    a("--users", default="1,2,4,8,16", help="closed-loop user counts ('' for none)")
+    a("--rates", default="", help="open-loop Poisson rates, requests/s ('' for none)")
+    a("--think-s", type=float, default=0.0, help="mean think time of a closed-loop user")
+    a("--warmup-s", type=float, default=10.0, help="seconds before each measured window")
+    a("--duration-s", type=float, default=60.0, help="measured window per run")
+    a("--repeats", type=int, default=2, help="runs per (policy, load), order rotated")
+    a("--mix", default="code=1,prose=1,chat=1", help="prompt classes and weights")
+    a("--prompts", default=str(PROMPTS_DIR), help="folder of CLASS.jsonl prompt files")
+    a("--output-tokens", type=int, default=64, help="mean max_tokens of a request")
+    a("--output-spread", type=float, default=0.5, help="max_tokens uniform in mean*(1 +- spread)")
+    a("--temperature", type=float, default=0.0)
+    a("--stop-at-eos", action="store_true", help="let EOS end a request (default: ignore_eos)")
+    a("--slo-ttft-s", type=float, default=1.0, help="SLO: time to first token")
+    a("--slo-tpot-s", type=float, default=0.1, help="SLO: time per output token")
+    a("--timeout-s", type=float, default=300.0, help="HTTP timeout of one request")
+    a("--seed", type=int, default=0)
+    a("--out", default="bench-results/serve", help="output path prefix (.json, .png)")
+    a("--no-plot", action="store_true")
+
+
+def _list(text: str, cast) -> list:
+    return [cast(x) for x in text.split(",") if x.strip()]
+
+
+def load_prompts(folder: str | Path, classes: list[str]) -> dict[str, list[str]]:
+    out = {}
+    for cls in classes:
+        path = Path(folder) / f"{cls}.jsonl"
+        out[cls] = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+async def run_one(client, policy: str, load: tuple[str, float], workload, model: str, args,
+                  rng: random.Random) -> tuple[list, float, float, dict]:
+    """One run: warm-up, then the window; returns (records, window start, end, health peaks)."""
+    from cluster.bench_client import HealthSampler, closed_loop, poisson, send
+
+    records = []
+
+    async def issue():
+        rec = await send(client, policy, workload.draw(), model, args.temperature,
+                         not args.stop_at_eos)
+        records.append(rec)
+        return rec
+
+    sampler = HealthSampler(client, admin_key=args.admin_key)
+    sampler.start()
+    start = time.monotonic() + args.warmup_s
+    end = start + args.duration_s
+    kind, value = load
+    if kind == "users":
+        await closed_loop(issue, int(value), end, args.think_s, rng)
+    else:
+        await poisson(issue, value, end, rng)
+    await sampler.stop()
+    return records, start, end, sampler.peaks(start, end)
+
+
+async def bench(url: str, key: str, args, progress=True) -> dict:
+    import httpx
+    from tqdm import tqdm
+
+    from cluster.bench_client import POLICIES, Workload
+    from cluster.bench_stats import SLO, mean_ci95, summarize
+
+    policies = _list(args.policies, str)
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise ValueError(f"unknown policies {sorted(unknown)}; known: {list(POLICIES)}")
+    mix = {k: float(v) for k, v in (p.split("=") for p in _list(args.mix, str))}
+    prompts = load_prompts(args.prompts, list(mix))
+    loads = [("users", u) for u in _list(args.users, int)] + [("rate", r) for r in _list(args.rates, float)]
+    slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout_s, limits=limits,
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        models = (await client.get("/v1/models")).raise_for_status().json()["data"]
+        model = models[0]["id"]
+        runs, results = [], []
+        bar = tqdm(total=len(loads) * args.repeats * len(policies), unit="run", disable=not progress,
+                   desc="bench serve", file=sys.stderr)
+        for load in loads:
+            windows = {p: [] for p in policies}
+            for rep in range(args.repeats):
+                order = policies[rep % len(policies):] + policies[:rep % len(policies)]
+                for policy in order:
+                    bar.set_description(f"{load[0]}={load[1]:g} {policy} #{rep + 1}")
+                    # the same prompts and lengths for every policy within a repeat
+                    workload = Workload(prompts, mix, args.output_tokens, args.output_spread,
+                                        seed=args.seed * 1000 + rep)
+                    rng = random.Random(args.seed * 1000 + rep + 1)
+                    recs, start, end, peaks = await run_one(client, policy, load, workload,
+                                                            model, args, rng)
+                    summary = summarize([(recs, start, end)], slo)
+                    summary.update(policy=policy, load_kind=load[0], load=load[1], repeat=rep,
+                                   health_peaks=peaks)
+                    runs.append(summary)
+                    windows[policy].append((recs, start, end))
+                    bar.set_postfix(tok_s=f"{summary['output_tok_s']:.1f}",
+                                    p95=f"{summary['e2e_s']['p95'] or 0:.2f}s")
+                    bar.update()
+            for policy in policies:
+                pooled = summarize(windows[policy], slo)
+                reps = [r for r in runs if r["policy"] == policy and (r["load_kind"], r["load"]) == load]
+                pooled.update(policy=policy, load_kind=load[0], load=load[1],
+                              repeats={m: mean_ci95([_get(r, m) for r in reps if _get(r, m) is not None])
+                                       for m in ("output_tok_s", "e2e_s.p95", "goodput_tok_s",
+                                                 "slo_attainment")},
+                              health_peaks=_max_peaks([r["health_peaks"] for r in reps]))
+                results.append(pooled)
+        bar.close()
+    return {"model": model, "url": url, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+            "results": results, "comparison": compare(results), "runs": runs}
+
+
+def _get(d: dict, path: str):
+    for part in path.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def _max_peaks(peaks: list[dict]) -> dict:
+    out: dict[str, dict] = {}
+    for p in peaks:
+        for kind, values in p.items():
+            o = out.setdefault(kind, {})
+            for k, v in values.items():
+                if k.startswith("peak_") and v is not None:
+                    o[k] = max(o.get(k, 0), v)
+    return out
+
+
+def compare(results: list[dict]) -> list[dict]:
+    """Per load: auto against the fixed policy with the highest throughput."""
+    out = []
+    for load in dict.fromkeys((r["load_kind"], r["load"]) for r in results):
+        at = {r["policy"]: r for r in results if (r["load_kind"], r["load"]) == load}
+        fixed = [at[p] for p in FIXED if p in at]
+        if "auto" not in at or not fixed:
+            continue
+        best = max(fixed, key=lambda r: r["output_tok_s"])
+        auto = at["auto"]
+        out.append({"load_kind": load[0], "load": load[1], "best_fixed": best["policy"],
+                    "throughput_ratio": auto["output_tok_s"] / best["output_tok_s"],
+                    "p95_ratio": (auto["e2e_s"]["p95"] / best["e2e_s"]["p95"]
+                                  if auto["e2e_s"]["p95"] and best["e2e_s"]["p95"] else None)})
+    return out
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.start_local:
+        from cluster.bench_local import local_cluster
+
+        with local_cluster(args.start_local, args.config, args.num_cpus) as (url, key, admin_key):
+            args.admin_key = admin_key
+            report = asyncio.run(bench(url, key, args))
+    else:
+        if not args.key:
+            print("specserve bench serve: pass --key (or $SPECSERVE_API_KEY) or --start-local",
+                  file=sys.stderr)
+            return 2
+        report = asyncio.run(bench(args.url, args.key, args))
+    from_cli = sys.argv[1:3] == ["bench", "serve"]
+    report["command"] = "specserve bench serve " + " ".join(sys.argv[3:]) if from_cli else None
+    report["args"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("key", "admin_key")}
+    report["machine"] = {"host": platform.node(), "cpus": os.cpu_count(),
+                         "loadavg_at_end": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    json_path = out.with_suffix(".json")
+    json_path.write_text(json.dumps(report, indent=1))
+    from cluster.bench_plot import plot, table
+
+    print(table(report))
+    print(f"\nJSON: {json_path}")
+    if not args.no_plot:
+        print(f"PNG:  {plot(report, out.with_suffix('.png'))}")
+    errors = {s for r in report["results"] for s in r["errors_by_status"] if s != "429"}
+    return 1 if errors else 0

@@ -1,0 +1,96 @@
+"""The statistics of `specserve bench serve`, on hand-made records with known answers."""
+
+import math
+
+import pytest
+
+from cluster.bench_stats import SLO, RequestRecord, mean_ci95, percentile, summarize
+
+
+def test_percentile_interpolates_like_numpy():
+    np = pytest.importorskip("numpy")
+    values = [3.0, 1.0, 7.0, 4.0, 10.0, 2.5, 8.0]
+    for q in (0, 10, 50, 90, 95, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+
+
+def _rec(sent, first, last, tokens, status=200, finished=None, usage_tokens=None, tier="baseline"):
+    """A request streamed one token at a time evenly from `first` to `last`."""
+    times = [first + (last - first) * i / max(tokens - 1, 1) for i in range(tokens)]
+    return RequestRecord(policy="p", prompt_class="code", sent=sent, status=status,
+                         finished=finished if finished is not None else last + 0.01,
+                         token_times=[(t, 1) for t in times], prompt_tokens=5,
+                         completion_tokens=tokens if usage_tokens is None else usage_tokens,
+                         tier=tier, reason="r")
+
+
+def test_ttft_tpot_e2e():
+    r = _rec(sent=10.0, first=10.5, last=12.5, tokens=5)
+    assert r.ttft == pytest.approx(0.5)
+    assert r.tpot == pytest.approx(2.0 / 4)          # 4 gaps after the first token
+    assert r.e2e == pytest.approx(2.51)
+    assert _rec(0, 0.2, 0.2, 1).tpot is None
+
+
+def test_slo_goodput_and_attainment():
+    slo = SLO(ttft_s=1.0, tpot_s=0.125)                      # binary fractions: exact edges
+    good = _rec(0.0, 0.5, 0.5 + 0.05 * 9, 10)                 # ttft 0.5, tpot 0.05: meets
+    slow_first = _rec(1.0, 2.5, 2.5 + 0.05 * 9, 10)          # ttft 1.5: misses
+    slow_decode = _rec(2.0, 2.2, 2.2 + 0.2 * 9, 10)          # tpot 0.2: misses
+    edge = _rec(3.0, 4.0, 4.0 + 0.125 * 3, 4)                # exactly at both limits: meets
+    error = RequestRecord(policy="p", prompt_class="code", sent=4.0, status=429, finished=4.01)
+    warm = _rec(-5.0, -4.9, -4.0, 10)                        # before the window: excluded
+    recs = [good, slow_first, slow_decode, edge, error, warm]
+    s = summarize([(recs, 0.0, 10.0)], slo)
+    assert s["requests_issued"] == 5 and s["requests_ok"] == 4
+    assert s["slo_attainment"] == pytest.approx(2 / 5)      # errors count as misses
+    assert s["goodput_requests_per_s"] == pytest.approx(2 / 10)
+    assert s["goodput_tok_s"] == pytest.approx((10 + 4) / 10)
+    assert s["errors_by_status"] == {"429": 1}
+    assert s["completion_tokens_usage"] == s["completion_tokens_streamed"] == 34
+
+
+def test_throughput_counts_tokens_inside_the_window_only():
+    # 10 tokens from t=-1 to t=1: 5 fall at t >= 0 (the window [0, 2))
+    spanning = RequestRecord(policy="p", prompt_class="code", sent=-1.5, status=200, finished=1.0,
+                             token_times=[(-1 + 0.25 * i, 1) for i in range(9)] + [(2.5, 1)],
+                             prompt_tokens=1, completion_tokens=10)
+    s = summarize([([spanning], 0.0, 2.0)], SLO())
+    inside = sum(1 for i in range(9) if 0 <= -1 + 0.25 * i < 2)
+    assert s["output_tokens_in_window"] == inside
+    assert s["output_tok_s"] == pytest.approx(inside / 2.0)
+    assert s["requests_issued"] == 0                          # issued in the warm-up
+    assert s["requests_per_s"] == pytest.approx(1 / 2.0)      # but finished inside
+
+
+def test_pooled_windows_sum_time_and_pool_percentiles():
+    a = [_rec(0.0, 0.1, 1.0, 10), _rec(1.0, 1.1, 3.0, 10)]
+    b = [_rec(100.0, 100.1, 104.0, 20)]
+    s = summarize([(a, 0.0, 10.0), (b, 100.0, 110.0)], SLO(ttft_s=10, tpot_s=10))
+    assert s["window_s"] == 20.0
+    assert s["output_tok_s"] == pytest.approx(40 / 20.0)
+    e2e = sorted(r.e2e for r in a + b)
+    assert s["e2e_s"]["p50"] == pytest.approx(e2e[1])
+    assert s["e2e_s"]["p99"] == pytest.approx(percentile(e2e, 99))
+
+
+def test_acceptance_is_token_weighted():
+    r1 = _rec(0, 0.1, 1, 10, tier="speculative")
+    r1.acceptance_rate, r1.mean_acceptance_length = 0.8, 3.0
+    r2 = _rec(0, 0.1, 1, 30, tier="speculative")
+    r2.acceptance_rate, r2.mean_acceptance_length = 0.4, 2.0
+    s = summarize([([r1, r2, _rec(0, 0.1, 1, 50)], 0.0, 10.0)], SLO())
+    assert s["acceptance_rate"] == pytest.approx((0.8 * 10 + 0.4 * 30) / 40)
+    assert s["mean_acceptance_length"] == pytest.approx((3 * 10 + 2 * 30) / 40)
+    assert s["tier_shares"] == {"baseline": pytest.approx(1 / 3), "speculative": pytest.approx(2 / 3)}
+
+
+def test_mean_ci95_uses_student_t():
+    out = mean_ci95([10.0, 12.0])
+    assert out["mean"] == 11.0
+    assert out["std"] == pytest.approx(math.sqrt(2))
+    assert out["ci95"] == pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2))
+    assert mean_ci95([5.0])["ci95"] is None
