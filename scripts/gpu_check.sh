@@ -57,7 +57,7 @@ if [ -z "$FAM" ] && [ -f demo-family/target/config.json ] && [ -f demo-family/dr
     FAM=demo-family
 fi
 if [ -z "$FAM" ]; then
-    timeout 200 "$PY" -m cluster models build-demo --device cuda --budget-s 150 \
+    timeout 200 "$PY" -m cluster models build-demo --device cuda --steps-scale 0.5 \
         --out "$ROOT/gpu-demo-family" && FAM=$ROOT/gpu-demo-family || fail "build-demo"
 fi
 if [ -z "$FAM" ]; then
