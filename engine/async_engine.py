@@ -71,10 +71,10 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self.engine.abort(request_id)
 
-    def inject_fault(self, kind: str, count: int = 1) -> None:
+    def inject_fault(self, kind: str, count: int = 1, after: int = 0) -> None:
         """TEST ONLY: see `LLMEngine.inject_fault`."""
         with self._lock:
-            self.engine.inject_fault(kind, count)
+            self.engine.inject_fault(kind, count, after)
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -23,13 +23,20 @@ class InjectedFault(RuntimeError):
 class Faults:
     def __init__(self) -> None:
         self.pending = {kind: 0 for kind in KINDS}
+        self.skip = {kind: 0 for kind in KINDS}
 
-    def arm(self, kind: str, count: int = 1) -> None:
+    def arm(self, kind: str, count: int = 1, after: int = 0) -> None:
+        """The next `count` calls raise, once `after` more calls have passed (so a test can arm a
+        fault before a request and have it land mid-stream, with no race against the engine)."""
         if kind not in self.pending:
             raise ValueError(f"unknown fault {kind!r}; known: {KINDS}")
         self.pending[kind] += count
+        self.skip[kind] = after
 
     def fire(self, kind: str) -> None:
+        if self.skip[kind] > 0:
+            self.skip[kind] -= 1
+            return
         if self.pending[kind] > 0:
             self.pending[kind] -= 1
             raise InjectedFault(f"injected fault: {kind}")

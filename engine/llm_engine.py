@@ -172,11 +172,11 @@ class LLMEngine:
         self.scheduler.finish(seq, FinishReason.ABORT)
         return self._output(seq, [], final=True)
 
-    def inject_fault(self, kind: str, count: int = 1) -> None:
+    def inject_fault(self, kind: str, count: int = 1, after: int = 0) -> None:
         """TEST ONLY (EngineConfig.fault_injection): arm a real fault, see engine/faults.py."""
         if self.faults is None:
             raise RuntimeError("fault injection is off (EngineConfig.fault_injection)")
-        self.faults.arm(kind, count)
+        self.faults.arm(kind, count, after)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

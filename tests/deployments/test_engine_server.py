@@ -117,12 +117,10 @@ def test_a_failing_draft_continues_in_baseline_with_its_reason(tiny_family):
         async def run():
             req = _request(tier="speculative", mode="speculative", k_max=3, prompt="def add(a, b):",
                            sampling={"max_tokens": 12, "temperature": 0, "ignore_eos": True})
-            chunks = []
-            async for chunk in server.generate(req):
-                if len(chunks) == 1:
-                    await server.inject_fault("draft_raise")
-                chunks.append(chunk)
-            return chunks
+            # Armed before the request, to fire at the draft's second forward: arming it after the
+            # first chunk raced the engine, which could finish all 12 tokens first (seen in CI).
+            await server.inject_fault("draft_raise", after=1)
+            return [chunk async for chunk in server.generate(req)]
 
         chunks = asyncio.run(run())
         assert chunks[0].mode == "speculative" and chunks[-1].mode == "baseline"
