@@ -98,8 +98,9 @@ def _no_kv_in_use(app, deployment: str, timeout_s: float = 15.0) -> dict:
 def test_a_failing_draft_leaves_the_stream_on_the_target_in_baseline(app):
     target = app.handle("TargetServer")
     baseline = _tokens(_stream(app, "standard", max_tokens=200, speculation="off"))
-    events = _stream(app, "premium", max_tokens=200, speculation="on",
-                     on_first=lambda: target.inject_fault.remote("draft_raise").result(timeout_s=30))
+    # Armed before the stream, to fire at the draft's second forward (mid-stream, no race).
+    target.inject_fault.remote("draft_raise", after=1).result(timeout_s=30)
+    events = _stream(app, "premium", max_tokens=200, speculation="on")
     assert not _errors(events) and events[-1] == "[DONE]"
     assert _finish(events) == "length"
     usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")][-1]
