@@ -331,7 +331,7 @@ class LLMEngine:
         pool = self.pool
         self.draft = ModelRunner(forward, pool.view(pool.draft), pool.evenly_strided(pool.draft))
         for seq in self.seqs.values():
-            self.scheduler._free_draft(seq)
+            self.scheduler.reset_draft(seq)
         self._accepted_ewma, self._trials_ewma = self.config.prior_acceptance, 1.0
         self.draft_swaps += 1
 

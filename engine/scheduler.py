@@ -102,6 +102,11 @@ class Scheduler:
         seq.draft_blocks = []
         seq.draft_computed = 0
 
+    def reset_draft(self, seq: Sequence) -> None:
+        """Free the draft KV but keep the mode: the draft re-prefills when it next drafts
+        (after a draft swap, whose new weights make the old KV stale)."""
+        self._free_draft(seq)
+
     def _need(self, item: ScheduledSeq) -> tuple[int, int]:
         s = item.seq
         target = blocks_needed(s.num_computed + item.num_feed + item.k, self.tpb) - len(s.blocks)

@@ -121,9 +121,10 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
         per_row = torch.repeat_interleave(torch.arange(len(sampling)), torch.tensor(ks) + 1)
         p = probabilities(logits, rp.select(per_row))
         u = uniforms(ks, rp.generators, target.device)
-        row_seeds = [seeds[i] for i in per_row.tolist()]
-        positions = [len(it.seq.token_ids) + j for it in sampling for j in range(it.k + 1)]
-        choice = couple_rows(choice, p, row_seeds, positions)
+        if any(s is not None for s in seeds):      # per-row bookkeeping only when needed
+            row_seeds = [seeds[i] for i in per_row.tolist()]
+            positions = [len(it.seq.token_ids) + j for it in sampling for j in range(it.k + 1)]
+            choice = couple_rows(choice, p, row_seeds, positions)
     rule_greedy = [it.seq.params.greedy or s is not None for it, s in zip(sampling, seeds)]
     accepted, emitted = rejection_sample(draft_ids, ks, choice, rule_greedy,
                                          p, draft_q, u, rp.generators)
