@@ -17,6 +17,7 @@ def local_cluster(family: str, config: str | None = None, num_cpus: int | None =
     from ray import serve
 
     from cluster import ray_local
+    from models.rendezvous import free_port
     from cluster.launch_up import DEFAULT_CONFIG, _wait_healthy
     from deployments.app import build_app
     from router.config import InlineKey, load_config
@@ -31,7 +32,7 @@ def local_cluster(family: str, config: str | None = None, num_cpus: int | None =
     admin_key = new_key()                 # lets the driver read /health's tier details
     cfg.auth.admin_keys.append(hash_key(admin_key))
     cpus = num_cpus or len(os.sched_getaffinity(0))
-    local = ray_local.start(num_cpus=max(2, cpus), http_port=ray_local.free_port(), dashboard=False)
+    local = ray_local.start(num_cpus=max(2, cpus), http_port=free_port(), dashboard=False)
     try:
         serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
         _wait_healthy(local.api_url)

@@ -239,6 +239,7 @@ def _local_family_app(family: str, num_cpus: int, kv_budget_mb: int):
     from ray import serve
 
     from cluster import launch_up, ray_local
+    from models.rendezvous import free_port
     from deployments.app import build_app
     from router.config import AppConfig
     from router.keys import make_record
@@ -251,7 +252,7 @@ def _local_family_app(family: str, num_cpus: int, kv_budget_mb: int):
            "auth": {"keys": [{"name": record.name, "plan": "auto", "sha256": record.sha256}]}}
     if (root / "small").is_dir():
         cfg["small"] = {"model": str(root / "small"), **tier}
-    local = ray_local.start(num_cpus=num_cpus, http_port=ray_local.free_port(), dashboard=False)
+    local = ray_local.start(num_cpus=num_cpus, http_port=free_port(), dashboard=False)
     serve.run(build_app(AppConfig.model_validate(cfg)), name="specserve", route_prefix="/")
     launch_up._wait_healthy(local.api_url)
     return local.api_url, key, "bench", ray_local.stop

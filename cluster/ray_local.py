@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 from dataclasses import dataclass
 from pathlib import Path
+
+from models.rendezvous import free_port
 
 DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
 
@@ -54,12 +55,6 @@ def auth_headers() -> dict[str, str]:
     """Headers for Ray's own HTTP APIs (dashboard, jobs, `serve deploy`) on this cluster."""
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or DEFAULT_TOKEN_PATH).expanduser()
     return {"Authorization": f"Bearer {path.read_text().strip()}"} if path.exists() else {}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

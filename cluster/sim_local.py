@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-PLANS = {"standard": "standard", "premium": "premium", "economy": "economy", "auto": "auto"}
+from router.policy import PLANS
 
 
 def add_arguments(parser) -> None:
@@ -128,7 +128,8 @@ def run_local(args) -> int:
     print(f"local-cpu: acceptance a = {a:.3f}, prompts median {statistics.median(lengths)} tokens",
           file=sys.stderr)
     for u in users:
-        for policy, plan in PLANS.items():
+        for plan in PLANS:
+            policy = plan           # bench serve names its policies after the plans
             w = Workload(closed_loop=True, loads=tuple(users), prompt_median=int(statistics.median(lengths)),
                          prompt_sigma=0.3, output_median=args.output_tokens, output_sigma=0.3,
                          max_tokens=args.output_tokens + spread, requests=max(60, 8 * u), plan=plan,

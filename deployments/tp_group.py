@@ -17,13 +17,14 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from models.rendezvous import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +35,6 @@ TP_JOIN = "engine.tp_worker:init_tp"            # rank 0 joins: init_tp(0, world
 def import_object(path: str):
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)

@@ -42,7 +42,3 @@ class EngineStats:
     cost_model: dict = field(default_factory=dict)
     token_acceptance: float | None = None  # the engine's live per-token estimate a (EWMA)
     speculating_acceptance: list[float] = field(default_factory=list)  # a per speculating seq
-
-    @property
-    def kv_free_bytes(self) -> int:
-        return self.kv_budget_bytes - self.kv_used_target_bytes - self.kv_used_draft_bytes

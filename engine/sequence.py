@@ -56,15 +56,10 @@ class Sequence:
         self.num_rejections = 0               # drafting steps that ended in a rejection
         self.num_preemptions = 0
         self.num_speculative_output = 0       # output tokens emitted while in speculative mode
-        self.first_token_time: float | None = None
 
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.num_prompt
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt:]
 
     @property
     def speculative(self) -> bool:

@@ -37,7 +37,9 @@ class StepResult:
 
 def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy: bool,
             seeds: list):
-    """k_i draft tokens for each item -> (flat ids [sum k], flat q rows [sum k, vocab] or None).
+    """k_i draft tokens for each item -> (drafted, flat_ids, flat_q): drafted[i] the k_i ids of
+    item i, flat_ids [sum k] the same ids flat, flat_q [sum k, vocab] their draft probabilities
+    (None when every row is greedy).
 
     seeds[i]: the coupled sampler's seed for item i (None: sample from q with its generator).
     """

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from models.rendezvous import free_port
 
 TOP_K = 64          # teacher log-probs kept per position (their mass is reported)
 CE_WEIGHT = 0.1
@@ -165,12 +166,6 @@ def default_ds_config(batch_size: int = 8, lr: float = 3e-4, zero_stage: int = 1
             "bf16": {"enabled": bf16}}
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def init_deepspeed(model, ds_config: dict):
     """A DeepSpeed engine around `model`. Under the `deepspeed` launcher the rank variables are
     already set; alone, this process is rank 0 of 1 over gloo (no MPI)."""
@@ -179,7 +174,7 @@ def init_deepspeed(model, ds_config: dict):
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"),
                        ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", _free_port())
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
     if not torch.distributed.is_initialized():

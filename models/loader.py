@@ -200,12 +200,6 @@ class Family:
     small: LoadedModel | None = None
 
 
-def family_paths(folder: str | Path) -> dict[str, Path]:
-    """The model folders of a family laid out as DIR/{target,draft,small}."""
-    folder = Path(folder).expanduser()
-    return {role: folder / role for role in ("target", "draft", "small") if (folder / role).is_dir()}
-
-
 def load_family(target: str | Path, draft: str | Path | None = None, small: str | Path | None = None,
                 dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Family:
     """Load a target with its draft and small model; refuse a draft whose vocabulary differs.

@@ -17,7 +17,7 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from router.keys import PLANS
+from router.policy import PLANS
 from router.openai_schema import HTTPError
 
 

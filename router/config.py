@@ -16,9 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.capture import CaptureConfig
+from router.policy import PLANS, TIERS
 
-TIERS = ("speculative", "baseline", "small")
-PLANS = ("premium", "standard", "economy", "auto")
 
 
 class _Strict(BaseModel):
@@ -42,7 +41,6 @@ class TierModelConfig(_Strict):
     num_threads: int = Field(1, ge=1, description="torch threads per rank process")
     max_ongoing_requests: int = Field(64, ge=1, description="Serve: concurrent requests per replica")
     max_queued_requests: int = Field(32, ge=1, description="Serve: queued requests per caller")
-    k_max: int = Field(4, ge=0, le=16, description="speculation length bound (target tier)")
     engine_args: dict[str, Any] = Field(default_factory=dict,
                                         description="more EngineConfig fields (adaptive_k, block_size, ...)")
 
@@ -70,7 +68,7 @@ def _default_prices() -> dict[str, TierPrice]:
 class InlineKey(_Strict):
     """A key given in the config itself, already hashed (see `router.keys`)."""
     name: str
-    plan: Literal["premium", "standard", "economy", "auto"]
+    plan: Literal[PLANS]
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
@@ -78,7 +76,7 @@ class AuthConfig(_Strict):
     require_key: bool = Field(True, description="False: a request without a key gets default_plan")
     keys_file: str | None = Field(None, description="JSON file of hashed keys (specserve keys add)")
     keys: list[InlineKey] = Field(default_factory=list)
-    default_plan: Literal["premium", "standard", "economy", "auto"] = "auto"
+    default_plan: Literal[PLANS] = "auto"
     admin_keys: list[str] = Field(default_factory=list,
                                   description="SHA-256 of admin keys (beside `specserve keys add --admin`)")
     refresh_s: float = Field(1.0, gt=0, description="how often the ingress re-reads the live keys")
@@ -145,6 +143,22 @@ class AppConfig(_Strict):
     ingress_num_cpus: float = Field(0.1, ge=0)
     capture: CaptureConfig = Field(default_factory=CaptureConfig,
                                    description="opt-in prompt capture for draft distillation")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_k_cap(cls, data: Any) -> Any:
+        """The k cap is `policy.k_max`; older files named it `policy.max_k` or `target.k_max`."""
+        if not isinstance(data, dict):
+            return data
+        policy = dict(data.get("policy") or {})
+        target = data.get("target")
+        if isinstance(target, dict) and "k_max" in target:
+            target = dict(target)
+            policy.setdefault("k_max", target.pop("k_max"))
+            data = {**data, "target": target}
+        if "max_k" in policy:
+            policy.setdefault("k_max", policy.pop("max_k"))
+        return {**data, "policy": policy} if policy else data
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":

@@ -198,7 +198,7 @@ class Ingress:
         except Exception:       # a policy bug must not take the API down: serve by plan
             logger.exception("choose_tier failed; falling back to the plan's tier")
             tier = FALLBACK_TIER[plan]
-            k_max, reason = (self.cfg.target.k_max if tier == "speculative" else 0), "policy_error"
+            k_max, reason = (self.policy_config.k_max if tier == "speculative" else 0), "policy_error"
         if tier == "small" and "small" not in self.handles:
             tier, reason = "baseline", "no_small_tier"
         self.m_decisions.inc(tags={"tier": tier, "reason": reason})

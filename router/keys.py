@@ -29,9 +29,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from router.policy import PLANS
+
 logger = logging.getLogger("ray.serve")
 
-PLANS = ("premium", "standard", "economy", "auto")
 KEY_PREFIX = "sk-ss-"
 
 

@@ -68,7 +68,7 @@ class PolicyState:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    max_k: int = 8  # cap on k for speculative decisions; the engine picks k <= it per step
+    k_max: int = 8  # cap on k for speculative decisions; the engine picks k <= it per step
     enter_gain: float = 1.05  # predicted goodput ratio (speculating / not) to start speculating
     exit_gain: float = 1.02  # ... and below which to stop (a speculative admission costs a draft
     #   prefill and draft KV, so a gain within a few percent of 1 does not pay for it)
@@ -99,7 +99,7 @@ def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
         if blocked:
             return Decision("baseline", 0, blocked, state)
         reason = "plan_premium" if request.plan == "premium" else "speculation_on"
-        return Decision("speculative", config.max_k, reason, state)
+        return Decision("speculative", config.k_max, reason, state)
 
     if state.queue_deep:
         deep = target.queue_depth > config.queue_deep_exit
@@ -118,20 +118,20 @@ def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
     if blocked:
         return Decision("baseline", 0, blocked, state)
     a = target.acceptance_by_class.get(request.prompt_class, config.default_acceptance)
-    alone = speculation_gain(target, a, config.max_k, request.prompt_tokens, request.max_tokens, alone=True)
+    alone = speculation_gain(target, a, config.k_max, request.prompt_tokens, request.max_tokens, alone=True)
     if alone < config.exit_gain:
         return Decision("baseline", 0, "acceptance_low", state)
     prompt_tokens = target.mean_prompt_tokens or request.prompt_tokens
-    gain = speculation_gain(target, a, config.max_k, prompt_tokens, request.max_tokens)
+    gain = speculation_gain(target, a, config.k_max, prompt_tokens, request.max_tokens)
     batch = target.decode_batch_size + 1
     if state.speculating:
         if gain >= config.exit_gain:
-            return Decision("speculative", config.max_k, "low_load", state)
+            return Decision("speculative", config.k_max, "low_load", state)
         stopped = replace(state, speculating=False, stopped_at_batch=batch)
         return Decision("baseline", 0, "batch_large", stopped)
     below = not state.stopped_at_batch or batch <= (1 - config.batch_band) * state.stopped_at_batch
     if gain >= config.enter_gain and below:
-        return Decision("speculative", config.max_k, "low_load", replace(state, speculating=True))
+        return Decision("speculative", config.k_max, "low_load", replace(state, speculating=True))
     return Decision("baseline", 0, "batch_large", state)
 
 

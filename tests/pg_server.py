@@ -11,11 +11,12 @@ import contextlib
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
+
+from models.rendezvous import free_port
 
 
 def _bin(name: str) -> str | None:
@@ -24,12 +25,6 @@ def _bin(name: str) -> str | None:
         return found
     candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
     return candidates[-1] if candidates else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PgServer:
@@ -55,7 +50,7 @@ class PgServer:
                 return "running as root and runuser is missing (PostgreSQL refuses root)"
             os.chown(self.folder, 65534, 65534)
             prefix = ["runuser", "-u", "nobody", "--"]
-        port = _free_port()
+        port = free_port()
         try:
             subprocess.run(prefix + [initdb, "-D", data, "-A", "trust", "-U", "postgres",
                                      "--no-sync", "-E", "UTF8"],

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from router.keys import hash_key, make_record, new_key
+from router.policy import PLANS
 
-PLANS = ("premium", "standard", "economy", "auto")
 APP_NAME = "specserve"
 MODEL = "tiny"
 
@@ -64,6 +64,7 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, **overrides):
     from ray import serve
 
     from cluster import ray_local
+    from models.rendezvous import free_port
     from deployments.app import build_app
 
     keys, inline = {}, []
@@ -76,7 +77,7 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, **overrides):
     overrides.setdefault("ledger", {"url": ledger_url, "drain_period_s": 0.2})
     auth = {"keys": inline, "admin_keys": [hash_key(admin_key)], "refresh_s": 0.5}
     overrides["auth"] = {**auth, **overrides.get("auth", {})}
-    local = ray_local.start(num_cpus=num_cpus, http_port=ray_local.free_port(), dashboard=False,
+    local = ray_local.start(num_cpus=num_cpus, http_port=free_port(), dashboard=False,
                             token_path=tmp_path / "ray_token")
     try:
         serve.run(build_app(app_config(family, inline, **overrides)), name=APP_NAME,

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from cluster.ray_local import free_port
+from models.rendezvous import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,6 @@ target's), rank 0's pool uses more tokens per block than `block_size`; rank 1 mu
 layout from rank 0 (it is never told about the draft), or it reads and writes other slots.
 """
 
-import socket
 
 import pytest
 
@@ -15,20 +14,14 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import RequestOptions, SamplingParams
 from engine.tp_worker import LocalPeers
-
-
-def _free_port() -> int:
-    """A port no other process holds now (a fixed one clashed with concurrent test runs)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from models.rendezvous import free_port
 
 
 @pytest.mark.parametrize("draft", ["same_shape", "odd_shape"])
 def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, draft):
     budget = 4 << 20
     draft_path = str(tiny_family["draft"] if draft == "same_shape" else odd_draft)
-    peers = LocalPeers(2, str(tiny_family["target"]), port=_free_port())
+    peers = LocalPeers(2, str(tiny_family["target"]), port=free_port())
     try:
         engine = LLMEngine(EngineConfig(str(tiny_family["target"]), draft_path,
                                         tp_size=2, kv_budget_bytes=budget, profile=False,

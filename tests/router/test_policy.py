@@ -66,7 +66,7 @@ TABLE = [
 def test_table(request_, stats, state, tier, reason):
     d = choose_tier(request_, stats, state)
     assert (d.tier, d.reason) == (tier, reason)
-    assert d.k_max == (PolicyConfig().max_k if tier == "speculative" else 0)
+    assert d.k_max == (PolicyConfig().k_max if tier == "speculative" else 0)
 
 
 def test_every_reason_is_reachable():
