@@ -63,8 +63,8 @@ def mix_named(name: str) -> AcceptanceMix:
 class Deployment:
     """One target replica (tp GPUs, draft colocated) and one small-tier replica."""
 
-    gpu: str  # key of engine.cost_model.GPUS
-    target: str  # key of engine.cost_model.MODELS
+    gpu: str  # key of engine.hardware.GPUS
+    target: str  # key of engine.hardware.MODELS
     tp: int
     draft: str | None
     small: str | None = None

@@ -19,6 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from engine.cost_model import LinearCost
 from router.policy import PLANS
 
 
@@ -36,16 +37,56 @@ def add_arguments(parser) -> None:
 def robust_fit(samples):
     """A LinearCost through profile samples taken on a shared machine: contention only ever
     slows a timing, so points far above the fit are dropped (three passes) before the last fit."""
-    from engine.cost_model import LinearCost
-
     keep = list(samples)
-    fit = LinearCost.fit(keep)
+    fit = fit_linear(keep)
     for _ in range(3):
         kept = [s for s in keep if s[3] <= 1.5 * fit(s[0], s[1], s[2])]
         if len(kept) < 4 or len(kept) == len(keep):
             break
-        keep, fit = kept, LinearCost.fit(kept)
+        keep, fit = kept, fit_linear(kept)
     return fit
+
+
+def fit_linear(samples) -> "LinearCost":
+    """Non-negative least squares on (num_seqs, num_tokens, context_tokens, seconds) samples.
+
+    Lawson-Hanson style active set on the 4x4 normal equations: solve, drop the most negative
+    coefficient, solve again. Columns that never vary (e.g. all context 0) get coefficient 0.
+    """
+    if not samples:
+        raise ValueError("fit_linear needs at least one sample")
+    rows = [(1.0, float(n), float(t), float(c)) for n, t, c, _ in samples]
+    ys = [float(s) for *_, s in samples]
+    active = [j for j in range(4) if j == 0 or any(r[j] != 0.0 for r in rows)]
+    coef = [0.0] * 4
+    while active:
+        sol = _lstsq([[r[j] for j in active] for r in rows], ys)
+        if sol is None:          # collinear columns (e.g. num_tokens == num_seqs): drop one
+            active.pop()
+            continue
+        if min(sol) >= 0.0:
+            break
+        active.pop(min(range(len(sol)), key=sol.__getitem__))
+    for j, v in zip(active, sol or []):
+        coef[j] = max(0.0, v)
+    return LinearCost(*coef)
+
+
+def _lstsq(x: list[list[float]], y: list[float]) -> list[float] | None:
+    """Least squares by the normal equations and Gaussian elimination; None if singular."""
+    m = len(x[0])
+    a = [[sum(r[i] * r[j] for r in x) for j in range(m)] + [sum(r[i] * v for r, v in zip(x, y))]
+         for i in range(m)]
+    for col in range(m):
+        piv = max(range(col, m), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-300:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(m):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [v - f * w for v, w in zip(a[r], a[col])]
+    return [a[i][m] / a[i][i] for i in range(m)]
 
 
 def fitted_cost(engine, overhead_s: float):

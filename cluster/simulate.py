@@ -21,7 +21,8 @@ from pathlib import Path
 
 from cluster.scenarios import SCENARIOS, Scenario, mix_named
 from cluster.simulator import POLICIES, build_replicas, simulate
-from engine.cost_model import MODELS, expected_tokens
+from engine.cost_model import expected_tokens
+from engine.hardware import MODELS
 
 THROUGHPUT_FLOOR, P95_CEILING = 0.98, 1.02  # auto vs the better of baseline and speculative
 

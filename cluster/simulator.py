@@ -21,7 +21,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from cluster.scenarios import AcceptanceMix, Deployment, RequestSpec, Workload, make_request
-from engine.cost_model import GPUS, MODELS, GiB, RooflineStepCost, StepCostModel, choose_k
+from engine.cost_model import StepCostModel, choose_k
+from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from router.policy import PolicyConfig, PolicyState, TierRequest, choose_tier
 from router.stats import ClusterStats, TierStats
 

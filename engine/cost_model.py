@@ -8,10 +8,13 @@ rounds. A cost model answers two questions, both in seconds:
   target_s(num_seqs, num_tokens, context_tokens)  one target forward over num_seqs sequences
       carrying num_tokens query tokens in total and reading context_tokens KV tokens in total;
   draft_s(num_seqs, num_tokens, context_tokens)    one draft forward, same meaning.
-Three implementations: `TableCost`/`TableStepCost`, step times the engine measures on a grid at
-start (cached as JSON) and interpolates; `LinearCost`/`LinearStepCost`, a linear fit to such
-times; and `RooflineStepCost`, derived from hardware and model presets for
-machines we cannot run on (the simulator's 70B on four GPUs).
+Implementations: `TableCost`/`TableStepCost`, step times the engine measures on a grid at start
+(cached as JSON) and interpolates; `LinearCost`/`LinearStepCost`, linear in batch, tokens and
+context (the engine's default without a profile, the local simulator's fit); `RooflineStepCost`
+(`engine/hardware.py`), derived from datasheet presets for machines we cannot run on.
+`CalibratedCost` is the one the engine steps with and reports in `EngineStats`, so the router
+and the simulator price drafting as the engine does: any of those as its base, plus the
+per-sequence overhead the engine learns while serving.
 
 `choose_k` picks per-sequence speculation lengths for one step by maximising batch goodput,
 expected emitted tokens over step time, with `expected_tokens(a, k) = (1 - a^(k+1)) / (1 - a)`.
@@ -22,9 +25,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from typing import Protocol, Sequence
-
-GiB = 1024**3
-
 
 def expected_tokens(a: float, k: int) -> float:
     """Expected tokens one step emits for a sequence: accepted draft tokens + 1 (recovered/bonus).
@@ -59,48 +59,6 @@ class LinearCost:
     def __call__(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
         return (self.fixed_s + self.per_seq_s * num_seqs + self.per_token_s * num_tokens
                 + self.per_ctx_token_s * context_tokens)
-
-    @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, int, float]]) -> "LinearCost":
-        """Non-negative least squares on (num_seqs, num_tokens, context_tokens, seconds) samples.
-
-        Lawson-Hanson style active set on the 4x4 normal equations: solve, drop the most negative
-        coefficient, solve again. Columns that never vary (e.g. all context 0) get coefficient 0.
-        """
-        if not samples:
-            raise ValueError("LinearCost.fit needs at least one sample")
-        rows = [(1.0, float(n), float(t), float(c)) for n, t, c, _ in samples]
-        ys = [float(s) for *_, s in samples]
-        active = [j for j in range(4) if j == 0 or any(r[j] != 0.0 for r in rows)]
-        coef = [0.0] * 4
-        while active:
-            sol = _lstsq([[r[j] for j in active] for r in rows], ys)
-            if sol is None:          # collinear columns (e.g. num_tokens == num_seqs): drop one
-                active.pop()
-                continue
-            if min(sol) >= 0.0:
-                break
-            active.pop(min(range(len(sol)), key=sol.__getitem__))
-        for j, v in zip(active, sol or []):
-            coef[j] = max(0.0, v)
-        return cls(*coef)
-
-
-def _lstsq(x: list[list[float]], y: list[float]) -> list[float] | None:
-    """Least squares by the normal equations and Gaussian elimination; None if singular."""
-    m = len(x[0])
-    a = [[sum(r[i] * r[j] for r in x) for j in range(m)] + [sum(r[i] * v for r, v in zip(x, y))]
-         for i in range(m)]
-    for col in range(m):
-        piv = max(range(col, m), key=lambda r: abs(a[r][col]))
-        if abs(a[piv][col]) < 1e-300:
-            return None
-        a[col], a[piv] = a[piv], a[col]
-        for r in range(m):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [v - f * w for v, w in zip(a[r], a[col])]
-    return [a[i][m] / a[i][i] for i in range(m)]
 
 
 @dataclass
@@ -197,141 +155,27 @@ def step_cost_from_dict(d: dict) -> "LinearStepCost | TableStepCost":
     return TableStepCost.from_dict(d) if d.get("kind") == "table" else LinearStepCost.from_dict(d)
 
 
-# ----------------------------------------------------------------------------- roofline presets
-
-
-@dataclass(frozen=True)
-class GPUSpec:
-    """Datasheet rates of one GPU, and the fraction of them a real kernel reaches."""
-
-    name: str
-    memory_bytes: int  # device memory
-    mem_bw_Bps: float  # datasheet HBM bandwidth, bytes/s
-    matmul_flops: float  # datasheet dense bf16 tensor-core rate, FLOP/s
-    link_Bps: float  # NVLink all-reduce bus bandwidth per GPU, bytes/s (achieved, nccl-tests)
-    allreduce_latency_s: float = 10e-6  # small-message all-reduce on NVLink, order of nccl-tests
-    # Achieved fractions, measured on this project's H200: 4.3 of 4.8 TB/s copy, 788 of 989
-    # TFLOP/s bf16 matmul. Applied to every preset (an assumption for A100 and H100).
-    mem_efficiency: float = 4.3 / 4.8
-    matmul_efficiency: float = 788.0 / 989.0
-
-    @property
-    def mem_bw(self) -> float:  # achieved bytes/s
-        return self.mem_bw_Bps * self.mem_efficiency
-
-    @property
-    def flops(self) -> float:  # achieved FLOP/s
-        return self.matmul_flops * self.matmul_efficiency
-
-
-GPUS: dict[str, GPUSpec] = {
-    # NVIDIA A100 datasheet (SXM4 80GB): 80 GB HBM2e (81,920 MiB), 2,039 GB/s, 312 TFLOP/s bf16
-    # dense, NVLink3 600 GB/s bidirectional (~230 GB/s all-reduce bus bandwidth in nccl-tests).
-    "A100-80GB": GPUSpec("A100-80GB", 80 * GiB, 2.039e12, 312e12, 230e9),
-    # NVIDIA H100 datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s bf16 dense,
-    # NVLink4 900 GB/s bidirectional (~360 GB/s all-reduce bus bandwidth).
-    "H100-SXM": GPUSpec("H100-SXM", 80 * GiB, 3.35e12, 989e12, 360e9),
-    # NVIDIA H200 datasheet: 141 GB HBM3e (about 140 GiB usable), 4.8 TB/s, 989 TFLOP/s bf16
-    # dense, NVLink4 900 GB/s. This project's H200 measured 4.3 TB/s copy, 788 TFLOP/s matmul.
-    "H200": GPUSpec("H200", 140 * GiB, 4.8e12, 989e12, 360e9),
-}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer's shape (Llama layout: GQA attention, SwiGLU MLP)."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-    head_dim: int = 0  # 0: hidden_size // num_heads
-
-    @property
-    def hd(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
-
-    def layer_params(self) -> int:
-        h, q, kv = self.hidden_size, self.num_heads * self.hd, self.num_kv_heads * self.hd
-        attn = h * q + 2 * h * kv + q * h  # q, k, v, o projections
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        return attn + mlp + 2 * h  # + two RMSNorm weights
-
-    def matmul_params(self) -> int:
-        """Weights every token multiplies by: all layers and the LM head (not the lookup)."""
-        return self.num_layers * self.layer_params() + self.vocab_size * self.hidden_size
-
-    def param_count(self) -> int:
-        embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * self.layer_params() + embed + head + self.hidden_size
-
-    def weight_bytes(self, dtype_bytes: int = 2) -> int:
-        return self.param_count() * dtype_bytes
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.hd * dtype_bytes
-
-
-MODELS: dict[str, ModelSpec] = {
-    # meta-llama/Llama-2-70b-hf config.json (GQA, 8 KV heads)
-    "Llama-2-70B": ModelSpec("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000),
-    # meta-llama/Llama-2-7b-hf config.json (full multi-head attention: 32 KV heads)
-    "Llama-2-7B": ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000),
-    # meta-llama/Meta-Llama-3-8B config.json
-    "Llama-3-8B": ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256),
-    # meta-llama/Llama-3.2-1B config.json (head_dim 64, tied embeddings)
-    "Llama-3.2-1B": ModelSpec("Llama-3.2-1B", 16, 2048, 32, 8, 8192, 128256, True, 64),
-}
-
-
 @dataclass
-class RooflineStepCost:
-    """StepCostModel from a roofline: max(bytes / bandwidth, FLOPs / matmul rate) per forward,
-    plus tensor-parallel all-reduces over NVLink and a fixed per-forward overhead.
+class CalibratedCost:
+    """The step cost the engine runs on: a base model (profiled table, linear or roofline) plus
+    the per-sequence overhead of a real step (scheduling, sampling, detokenizing, attention over
+    longer contexts) that the engine measures while serving (`LLMEngine._calibrate`).
 
-    tp shards the target over tp GPUs; draft_tp shards the draft (1: whole on one GPU, which
-    then reads all draft weights alone while the other GPUs wait).
+    The one cost model class: the engine steps with it, reports it in `EngineStats`, and the
+    router's policy and the simulator price drafting with the same object.
     """
 
-    gpu: GPUSpec
-    target: ModelSpec
-    draft: ModelSpec | None = None
-    tp: int = 1
-    draft_tp: int = 1
-    dtype_bytes: int = 2
-    kv_dtype_bytes: int = 2
-    overhead_s: float = 2e-3  # per target step: scheduling, sampling, launches
-    draft_overhead_s: float = 0.5e-3  # per draft round (CUDA-graphed, no scheduling)
+    base: StepCostModel
+    per_seq_s: float = 0.0
 
     def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
-        return self._forward_s(self.target, self.tp, num_seqs, num_tokens, context_tokens) + self.overhead_s
+        return self.base.target_s(num_seqs, num_tokens, context_tokens) + self.per_seq_s * num_seqs
 
     def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
-        if self.draft is None:
-            raise ValueError("RooflineStepCost has no draft model")
-        return (self._forward_s(self.draft, self.draft_tp, num_seqs, num_tokens, context_tokens)
-                + self.draft_overhead_s)
+        return self.base.draft_s(num_seqs, num_tokens, context_tokens)
 
-    def _forward_s(self, m: ModelSpec, tp: int, num_seqs: int, num_tokens: int, ctx: int) -> float:
-        if num_tokens <= 0:
-            return 0.0
-        kv_shards = min(tp, m.num_kv_heads)
-        kv_tok = m.kv_bytes_per_token(self.kv_dtype_bytes) / kv_shards
-        bytes_ = m.matmul_params() * self.dtype_bytes / tp + (ctx + num_tokens) * kv_tok
-        ctx_per_query = ctx / max(num_seqs, 1)
-        attn = 4 * m.num_layers * m.num_heads * m.hd * ctx_per_query  # QK^T and AV, per token
-        flops = num_tokens * (2 * m.matmul_params() + attn) / tp
-        t = max(bytes_ / self.gpu.mem_bw, flops / self.gpu.flops)
-        if tp > 1:  # two all-reduces per layer of [num_tokens, hidden] activations (ring)
-            msg = num_tokens * m.hidden_size * self.dtype_bytes * 2 * (tp - 1) / tp
-            t += 2 * m.num_layers * (self.gpu.allreduce_latency_s + msg / self.gpu.link_Bps)
-        return t
+    def to_dict(self) -> dict:
+        return self.base.to_dict()
 
 
 # ----------------------------------------------------------------------------- choosing k

@@ -13,7 +13,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.cost_model import choose_k, step_s
+from engine.cost_model import CalibratedCost, choose_k, step_s
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError
 from engine.faults import Faults, FaultyRunner
@@ -36,22 +36,6 @@ EWMA = 0.02            # decay per drafting sequence-step of the engine-wide cou
 DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
 OVERHEAD_EWMA = 0.1    # weight of one decode step in the per-sequence overhead estimate
-
-
-class CalibratedCost:
-    """The profiled step-cost table plus the per-sequence overhead measured while serving."""
-
-    def __init__(self, base):
-        self.base, self.per_seq_s = base, 0.0
-
-    def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
-        return self.base.target_s(num_seqs, num_tokens, context_tokens) + self.per_seq_s * num_seqs
-
-    def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
-        return self.base.draft_s(num_seqs, num_tokens, context_tokens)
-
-    def to_dict(self) -> dict:
-        return self.base.to_dict()
 
 
 class LLMEngine:

@@ -10,7 +10,8 @@ import pytest
 from cluster import simulate as cli
 from cluster.scenarios import MIXES, SCENARIOS, Deployment, Workload, fixed_mix, make_request
 from cluster.simulator import ReplicaConfig, build_replicas, simulate
-from engine.cost_model import GPUS, MODELS, GiB, LinearCost, LinearStepCost, RooflineStepCost
+from engine.cost_model import LinearCost, LinearStepCost
+from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 
 LINEAR = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))  # c = 0.15
 ROOFLINE = RooflineStepCost(GPUS["A100-80GB"], MODELS["Llama-2-70B"], MODELS["Llama-2-7B"], tp=4, draft_tp=4)

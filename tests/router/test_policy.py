@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from engine.cost_model import GPUS, MODELS, GiB, LinearCost, LinearStepCost, RooflineStepCost
+from engine.cost_model import LinearCost, LinearStepCost
+from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from router.policy import (PLANS, REASONS, Decision, PolicyConfig, PolicyState, TierRequest, choose_tier,
                            classify_prompt, speculation_gain)
 from router.stats import ClusterStats, TierStats
