@@ -5,9 +5,12 @@ while their KV reservation (prompt + max_tokens, target KV and, in speculative m
 on every GPU) fits; it steps a continuous batch with chunked prefill; a step is up to k draft
 rounds then one target verify, timed by a `StepCostModel`; each draft token at output position p
 of a request is accepted iff that request's u_p < a (so every policy sees the same draws).
-Routing comes from `router.policy.choose_tier` (policy "auto") or a fixed rule; k per step from
-`engine.cost_model.choose_k`. Knows nothing of the CLI, plots, or the presets in scenarios.py
-beyond the dataclasses it is handed (`build_replicas` turns a Deployment into replicas).
+A replica estimates acceptance as the engine does (`engine/acceptance.py`) and reports
+`EngineStats` as an engine does; routing goes through the live router's own path, those stats
+into a `router.observer.Observer` and its `ClusterStats` into `router.policy.choose_tier`
+(policy "auto"), or a fixed rule; k per step from `engine.cost_model.choose_k`. Knows nothing of
+the CLI, plots, or the presets in scenarios.py beyond the dataclasses it is handed
+(`build_replicas` turns a Deployment into replicas).
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from cluster.scenarios import AcceptanceMix, Deployment, RequestSpec, Workload, make_request
-from engine.cost_model import StepCostModel, choose_k
+from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
+                               AcceptanceEstimate, posterior)
+from engine.config import EngineConfig
+from engine.cost_model import CalibratedCost, StepCostModel, choose_k
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
+from engine.outputs import EngineStats
+from router.observer import Observer, RequestOutcome
 from router.policy import PolicyConfig, PolicyState, TierRequest, choose_tier
-from router.stats import ClusterStats, TierStats
 
 POLICIES = ("baseline", "speculative", "small", "auto")
-PRIOR_DRAFTS = 8  # pseudo-drafts behind a sequence's prior acceptance estimate
-MIN_SAMPLE_TRIALS = 16  # draft tokens tried before a finished request's estimate is a sample
+PRIOR_ACCEPTANCE = EngineConfig.prior_acceptance  # what an engine assumes before it measures
 
 
 @dataclass
@@ -78,7 +84,6 @@ class Seq:
     arrival_s: float
     speculative: bool = False
     k_cap: int = 0
-    prior: float = 0.6  # acceptance estimate at admission (the router's class estimate)
     prefill_left: int = 0
     emitted: int = 0
     drafted: int = 0
@@ -102,11 +107,9 @@ class Seq:
             self._us.append(self._rng.random())
         return self._us[pos]
 
-    @property
-    def estimate(self) -> float:
-        """Posterior mean of the per-token acceptance a (tokens after a rejection are untried)."""
-        tried = self.accepted + self.rejected
-        return (self.prior * PRIOR_DRAFTS + self.accepted) / (PRIOR_DRAFTS + tried)
+    def estimate(self, replica_a: float) -> float:
+        """The engine's estimate of this sequence's a: its counts behind the replica's a."""
+        return posterior(self.accepted, self.accepted + self.rejected, replica_a, SEQ_PRIOR_TRIALS)
 
     @property
     def context(self) -> int:
@@ -125,6 +128,8 @@ class Replica:
         self.busy = False
         self.blocked = 0  # requests the last admission pass could not admit
         self._k_cache: dict = {}
+        self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
+        self.drafted = self.accepted = 0  # draft tokens since start (the dashboard's rate)
 
     def _need(self, seq: Seq, speculative: bool) -> list[float]:
         """[num_gpus] bytes reserved for seq: KV for prompt + max_tokens (draft KV if speculative)."""
@@ -202,7 +207,8 @@ class Replica:
             return [0] * len(decode)
         if self.cfg.fixed_k:
             return [min(c, self.cfg.fixed_k) for c in caps]
-        accs = [round(s.estimate, 2) for s in decode]  # estimates to a 0.01 grid (cache key)
+        a = self.acceptance.value
+        accs = [round(s.estimate(a), 2) for s in decode]  # estimates to a 0.01 grid (cache key)
         ctx_b, extra_b = ctx // 8192 * 8192 + 4096, extra // 256 * 256
         key = (frozenset(Counter(zip(accs, caps)).items()), ctx_b, extra_b)
         by_group = self._k_cache.get(key)
@@ -225,6 +231,9 @@ class Replica:
             s.drafted += k
             s.accepted += acc
             s.rejected += acc < k
+            if k:
+                self.acceptance.observe(acc, acc + (acc < k))
+                self.drafted, self.accepted = self.drafted + k, self.accepted + acc
             s.lag = 0 if k else s.lag + (1 if s.speculative else 0)
         for s, c in chunks:
             s.prefill_left -= c
@@ -239,24 +248,26 @@ class Replica:
             self.running = [s for s in self.running if s.finish_s is None]
         return finished, emitted
 
-    def tier_stats(self, acceptance_by_class: dict[str, float], samples: tuple[float, ...] = (),
-                   mean_prompt_tokens: float = 0.0, mean_output_tokens: float = 0.0) -> TierStats:
-        """What the live router reads from this replica (router.stats), plus its own tallies."""
+    def engine_stats(self, now: float, max_context: int) -> EngineStats:
+        """What this replica's engine would report (`record_routing_stats`), on its tightest GPU
+        (the one with the fewest tokens of speculative KV left)."""
         c = self.cfg
-        # the tightest GPU: fewest tokens of speculative KV left
         g = min(range(len(self.used)), key=lambda i: (c.gpu_bytes[i] - c.fixed_bytes[i] - self.used[i])
                 / (c.target_kv[i] + c.draft_kv[i]))
-        budget = c.gpu_bytes[g] - c.fixed_bytes[g]
-        return TierStats(
-            decode_batch_size=len(self.running),
-            num_speculating=sum(1 for s in self.running if s.speculative),
-            queue_depth=min(self.blocked, len(self.waiting)),
-            kv_headroom_bytes=int(budget - self.used[g]), kv_budget_bytes=int(budget),
+        draft_used = sum(c.draft_kv[g] * (s.spec.prompt_tokens + s.spec.max_tokens)
+                         for s in self.running if s.speculative)
+        a = self.acceptance.value
+        return EngineStats(
+            num_running=len(self.running), num_waiting=min(self.blocked, len(self.waiting)),
+            num_speculative=sum(1 for s in self.running if s.speculative),
+            kv_budget_bytes=int(c.gpu_bytes[g] - c.fixed_bytes[g]),
+            kv_used_target_bytes=int(self.used[g] - draft_used), kv_used_draft_bytes=int(draft_used),
             target_kv_bytes_per_token=c.target_kv[g], draft_kv_bytes_per_token=c.draft_kv[g],
-            context_tokens=sum(s.context for s in self.running),
-            acceptance_by_class=acceptance_by_class, acceptance_samples=samples,
-            mean_prompt_tokens=mean_prompt_tokens, mean_output_tokens=mean_output_tokens,
-            cost=c.cost if any(c.draft_kv) else None)
+            context_tokens=sum(s.context for s in self.running), max_model_len=max_context,
+            cost=CalibratedCost(c.cost), acceptance_rate=self.accepted / self.drafted if self.drafted else None,
+            token_acceptance=a if self.drafted else None,
+            speculating_acceptance=tuple(s.estimate(a) for s in self.running if s.speculative),
+            time=now)
 
 
 @dataclass
@@ -333,11 +344,8 @@ class _Run:
         self.step_log: list[tuple[float, int]] = [(0.0, 0)]  # (time, cumulative tokens emitted)
         self.finish_log: list[float] = []
         self.reasons: Counter = Counter()
-        # the router's view: acceptance per class (accepted, tried, with a prior), per-request
-        # samples, mean prompt and output lengths (tokens, tokens, requests, with a prior)
-        self.class_acc = {d: [config.default_acceptance * 50, 50.0] for d in mix.weights}
-        self.acc_samples: deque[float] = deque(maxlen=256)
-        self.lengths = [workload.prompt_median * 50.0, workload.output_median * 50.0, 50.0]
+        # the router's view, through the live router's own observer
+        self.observer = Observer(config.default_acceptance, ("target", "small") if small else ("target",))
         self.state = PolicyState()
         self.poisson = random.Random(f"{seed}:arrivals:{load}")
         if workload.closed_loop:
@@ -359,31 +367,22 @@ class _Run:
         if self.policy == "small":
             seq.tier = seq.reason = "small"
             return self.replicas["small"]
-        acc = {d: a / n for d, (a, n) in self.class_acc.items()}
-        prompt, output, n = self.lengths
-        target = self.replicas["target"].tier_stats(acc, tuple(self.acc_samples), prompt / n, output / n)
-        stats = {"speculative": target, "baseline": target}
-        if self.replicas["small"]:
-            stats["small"] = self.replicas["small"].tier_stats({})
+        for kind, replica in self.replicas.items():
+            if replica is not None:
+                self.observer.report(kind, replica.engine_stats(seq.arrival_s, self.max_context), kind)
         req = TierRequest(self.workload.plan, "auto", self.workload.allow_downgrade, seq.spec.domain,
                           seq.spec.prompt_tokens, seq.spec.max_tokens)
-        decision = choose_tier(req, ClusterStats(stats), self.state, self.config)
+        decision = choose_tier(req, self.observer.cluster_stats(), self.state, self.config)
         self.state = decision.state
         seq.tier, seq.reason, seq.k_cap = decision.tier, decision.reason, decision.k_max
-        seq.speculative, seq.prior = decision.tier == "speculative", acc[seq.spec.domain]
+        seq.speculative = decision.tier == "speculative"
         return self.replicas["small" if decision.tier == "small" and self.replicas["small"] else "target"]
 
     def done(self, seq: Seq, now: float) -> None:
         """A request finished or was refused: record it, and its user sends the next one."""
         if seq.finish_s is not None:
-            self.lengths = [self.lengths[0] + seq.spec.prompt_tokens,
-                            self.lengths[1] + seq.spec.output_tokens, self.lengths[2] + 1]
-            if seq.drafted:
-                tried = seq.accepted + seq.rejected
-                self.class_acc[seq.spec.domain][0] += seq.accepted
-                self.class_acc[seq.spec.domain][1] += tried
-                if tried >= MIN_SAMPLE_TRIALS:
-                    self.acc_samples.append(seq.estimate)
+            self.observer.finished(seq.tier, seq.spec.domain, RequestOutcome(
+                seq.spec.prompt_tokens, seq.spec.output_tokens, seq.accepted, seq.accepted + seq.rejected))
         if seq.measured:
             self.unfinished -= 1
             if seq.finish_s is not None:

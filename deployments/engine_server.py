@@ -51,22 +51,7 @@ class EngineServer:
         self._stats_period_s = stats_period_s
         self._exporter: asyncio.Task | None = None
         self._errors = self._engine_errors()
-        self._kv_per_token = self._kv_bytes_per_token(tier_config)
         self.fingerprint = self.replica_fingerprint(tier_config)
-
-    @staticmethod
-    def _kv_bytes_per_token(tier_config: dict) -> tuple[float, float]:
-        """KV bytes one token costs rank 0: its target shard plus the whole colocated draft."""
-        from transformers import AutoConfig
-
-        from models.loader import kv_bytes_per_token, resolve_dtype
-
-        dtype = resolve_dtype(tier_config["dtype"], tier_config.get("device", "cpu"))
-        target = kv_bytes_per_token(AutoConfig.from_pretrained(tier_config["model"]), dtype)
-        draft = 0
-        if tier_config.get("draft"):
-            draft = kv_bytes_per_token(AutoConfig.from_pretrained(tier_config["draft"]), dtype)
-        return target / tier_config.get("tp_size", 1), float(draft)
 
     @staticmethod
     def replica_fingerprint(tier_config: dict) -> str:
@@ -125,24 +110,12 @@ class EngineServer:
         return {"kind": self.kind, "max_model_len": self.engine.max_model_len,
                 "stats": self.record_routing_stats()}
 
-    def record_routing_stats(self) -> dict:
-        """Serve calls this every `request_routing_stats_period_s`; callers' routers get it."""
-        stats = self.engine.stats()
-        # available: False when the engine loop died, so least-loaded routing skips this replica
-        # at once (its load would read 0 and attract all traffic) until Serve replaces it.
-        return {"kind": self.kind, "time": time.time(), "available": self.engine_alive,
-                "num_running": stats.num_running,
-                "num_waiting": stats.num_waiting,
-                "num_speculative": getattr(stats, "num_speculative", 0),
-                "kv_budget_bytes": stats.kv_budget_bytes or 0,
-                "kv_used_target_bytes": stats.kv_used_target_bytes,
-                "kv_used_draft_bytes": stats.kv_used_draft_bytes,
-                "acceptance_rate": stats.acceptance_rate, "max_model_len": stats.max_model_len,
-                "token_acceptance": stats.token_acceptance,
-                "tp_size": self.tier_config.get("tp_size", 1),
-                "target_kv_bytes_per_token": self._kv_per_token[0],
-                "draft_kv_bytes_per_token": self._kv_per_token[1],
-                "cost_model": getattr(stats, "cost_model", None) or {}}
+    def record_routing_stats(self):
+        """Serve calls this every `request_routing_stats_period_s`; callers' routers get it.
+
+        The engine's `EngineStats`, as is (`available` is False once the engine loop died, so
+        least-loaded routing skips this replica at once until Serve replaces it)."""
+        return self.engine.stats()
 
     async def stats(self) -> dict:
         """Engine stats and cumulative metrics, for `specserve status` and tests."""
@@ -255,6 +228,7 @@ class EngineServer:
                                 num_speculative_tokens=out.num_speculative_tokens,
                                 num_draft_tokens=out.num_draft_tokens,
                                 num_accepted_tokens=out.num_accepted_tokens,
+                                num_draft_trials=out.num_draft_trials,
                                 reason=out.reason,
                                 fingerprint=self.fingerprint)
         except prompt_too_long as exc:

@@ -16,6 +16,7 @@ import asyncio
 import threading
 import traceback
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, RequestFailedError
@@ -78,7 +79,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return self.engine.stats()
+            return replace(self.engine.stats(), available=self.is_alive)
 
     def metrics(self) -> MetricsSnapshot:
         with self._lock:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
+from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
+                               AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
 from engine.cost_model import CalibratedCost, choose_k, step_s
 from engine.detokenizer import Detokenizer
@@ -31,8 +34,6 @@ from models.loader import check_compatible, load_model
 
 logger = logging.getLogger(__name__)
 
-PRIOR_WEIGHT = 4.0     # pseudo-trials of the engine-wide acceptance behind each sequence's own
-EWMA = 0.02            # decay per drafting sequence-step of the engine-wide counts
 DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
 OVERHEAD_EWMA = 0.1    # weight of one decode step in the per-sequence overhead estimate
@@ -78,9 +79,8 @@ class LLMEngine:
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance)
         self.metrics = Metrics()
-        # Engine-wide per-token acceptance a as decayed counts (accepted, trials), pooled: the
-        # mean of per-step ratios would be biased low (k = 2 at a = 0.6 averages 0.48).
-        self._accepted_ewma, self._trials_ewma = config.prior_acceptance, 1.0
+        # Engine-wide per-token acceptance a (engine/acceptance.py: decayed pooled counts).
+        self.acceptance = AcceptanceEstimate(config.prior_acceptance, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self._steps_without_draft = 0
         self.seqs: dict[str, Sequence] = {}
         self.draft_swaps = 0
@@ -97,11 +97,11 @@ class LLMEngine:
     # ---- adaptive k -------------------------------------------------------------------------
     def _acceptance(self, seq: Sequence) -> float:
         trials = seq.num_accepted + seq.num_rejections
-        return (seq.num_accepted + PRIOR_WEIGHT * self.global_acceptance) / (trials + PRIOR_WEIGHT)
+        return posterior(seq.num_accepted, trials, self.global_acceptance, SEQ_PRIOR_TRIALS)
 
     @property
     def global_acceptance(self) -> float:
-        return self._accepted_ewma / self._trials_ewma
+        return self.acceptance.value
 
     def _choose_k(self, acceptance: list[float], k_max: list[int], context_tokens: int,
                   extra_tokens: int) -> list[int]:
@@ -246,8 +246,7 @@ class LLMEngine:
             seq.draft_computed = old_len + min(r.accepted, it.k - 1)
             seq.record_step(it.k, r.accepted)
             trials = r.accepted + (r.accepted < it.k)
-            self._accepted_ewma += EWMA * (r.accepted - self._accepted_ewma)
-            self._trials_ewma += EWMA * (trials - self._trials_ewma)
+            self.acceptance.observe(r.accepted, trials)
         self.metrics.record(it.k, r.accepted, len(r.tokens))
         new, reason = self._append_until_stop(seq, r.tokens)
         if seq.speculative:                   # what ran, for pricing: mode at emission
@@ -289,6 +288,7 @@ class LLMEngine:
                              num_speculative_tokens=seq.num_speculative_output,
                              num_draft_tokens=seq.num_draft_tokens,
                              num_accepted_tokens=seq.num_accepted,
+                             num_draft_trials=seq.num_accepted + seq.num_rejections,
                              reason=seq.reason)
 
     # ---- draft swap (between steps) ---------------------------------------------------------
@@ -316,19 +316,28 @@ class LLMEngine:
         self.draft = ModelRunner(forward, pool.view(pool.draft), pool.evenly_strided(pool.draft))
         for seq in self.seqs.values():
             self.scheduler.reset_draft(seq)
-        self._accepted_ewma, self._trials_ewma = self.config.prior_acceptance, 1.0
+        self.acceptance.reset()
         self.draft_swaps += 1
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        """This engine's load and what the router's policy needs (see `EngineStats`)."""
+        s, pool = self.scheduler, self.pool
         measured = self.metrics.data.acceptance_rate
-        return EngineStats(len(s.running), len(s.waiting),
-                           sum(q.speculative for q in s.running), self.pool.budget_bytes,
-                           self.pool.bytes_used("target"), self.pool.bytes_used("draft"),
-                           measured, self.max_model_len, self.cost.to_dict(),
-                           self.global_acceptance if measured is not None else None,
-                           [self._acceptance(q) for q in s.running if q.speculative])
+        per_token = pool.element_size
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_speculative=sum(q.speculative for q in s.running),
+            kv_budget_bytes=pool.budget_bytes, kv_used_target_bytes=pool.bytes_used("target"),
+            kv_used_draft_bytes=pool.bytes_used("draft"),
+            target_kv_bytes_per_token=float(pool.target.elems_per_token * per_token),
+            draft_kv_bytes_per_token=float(pool.draft.elems_per_token * per_token) if pool.draft else 0.0,
+            context_tokens=sum(len(q.token_ids) for q in s.running),
+            max_model_len=self.max_model_len, cost=replace(self.cost),
+            acceptance_rate=measured,
+            token_acceptance=self.global_acceptance if measured is not None else None,
+            speculating_acceptance=tuple(self._acceptance(q) for q in s.running if q.speculative),
+            time=time.time())
 
     def snapshot(self) -> MetricsSnapshot:
         s = self.scheduler

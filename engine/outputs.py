@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.cost_model import CalibratedCost
 from engine.sampling_params import FinishReason, Mode
 
 
@@ -25,20 +26,42 @@ class RequestOutput:
     num_speculative_tokens: int = 0   # output tokens emitted while in speculative mode (billing)
     num_draft_tokens: int = 0         # draft tokens proposed / accepted so far (cumulative)
     num_accepted_tokens: int = 0
+    num_draft_trials: int = 0         # draft tokens tried: accepted + rejections (cumulative)
     reason: str | None = None                     # e.g. "draft_unavailable": now baseline
     error: str | None = None                      # the request failed (finish_reason "error")
 
 
 @dataclass
 class EngineStats:
+    """One engine's load and what the router's policy needs from it, at one moment.
+
+    The only stats record on the way back up (DESIGN.md, "observation"): a replica's
+    `record_routing_stats()` returns it as is, Ray carries it to the callers' request routers,
+    and `router.observer.Observer` turns it into the policy's `ClusterStats`; the simulator's
+    replicas emit it too. Pure Python (pickled by Ray; the ingress never imports torch).
+    """
+
     num_running: int
     num_waiting: int
-    num_speculative: int
+    num_speculative: int                   # running sequences in speculative mode
     kv_budget_bytes: int
     kv_used_target_bytes: int
     kv_used_draft_bytes: int
-    acceptance_rate: float | None          # accepted / drafted since start
+    target_kv_bytes_per_token: float       # what one target token charges the budget (this rank)
+    draft_kv_bytes_per_token: float        # the same for the draft; 0: no draft
+    context_tokens: int                    # tokens of the running sequences (KV they attend over)
     max_model_len: int
-    cost_model: dict = field(default_factory=dict)
-    token_acceptance: float | None = None  # the engine's live per-token estimate a (EWMA)
-    speculating_acceptance: list[float] = field(default_factory=list)  # a per speculating seq
+    cost: CalibratedCost | None = None     # the step cost the engine runs on, calibrated
+    acceptance_rate: float | None = None   # accepted / drafted since start (the dashboard's)
+    token_acceptance: float | None = None  # the engine's live per-token estimate a (None: none yet)
+    speculating_acceptance: tuple[float, ...] = ()   # a of each speculating sequence
+    time: float = 0.0                      # when measured (time.time() on the engine's host)
+    available: bool = True                 # False: the engine loop died (being replaced)
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def kv_headroom_bytes(self) -> int:
+        return max(0, self.kv_budget_bytes - self.kv_used_target_bytes - self.kv_used_draft_bytes)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import deque
 import logging
 import math
 import time
@@ -40,7 +39,8 @@ from router.accounting import Accounting
 from router.admission import Admission
 from router.capture import CaptureBuffer, chat_text
 from router.config import AppConfig
-from router.live_stats import LiveStats, to_cluster_stats
+from router.live_stats import LiveStats
+from router.observer import Observer, RequestOutcome
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
                                   Usage, chat_body, chat_chunk, completion_body, completion_chunk,
                                   error_body, new_id, system_fingerprint)
@@ -106,12 +106,11 @@ class Ingress:
         self.handles = {"target": target_handle}
         if small_handle is not None:
             self.handles["small"] = small_handle
-        self.live = LiveStats(self.handles, self.cfg.stats.period_s, self.cfg.stats.stale_after_s)
         self.policy_config = policy.PolicyConfig(**self.cfg.policy)
         self.policy_state = policy.PolicyState()
-        self.acceptance_by_class: dict[str, float] = {}     # per-token a, EWMA per class
-        self.recent_acceptance: deque[float] = deque(maxlen=64)  # a of finished spec requests
-        self.recent_lengths: deque[tuple[int, int]] = deque(maxlen=64)  # (prompt, output)
+        self.observer = Observer(self.policy_config.default_acceptance, tuple(self.handles))
+        self.live = LiveStats(self.handles, self.observer, self.cfg.stats.period_s,
+                              self.cfg.stats.stale_after_s)
         self.capture = CaptureBuffer(self.cfg.capture)      # off unless the config opts in
         self.retry_after = str(max(1, math.ceil(self.cfg.limits.retry_after_s)))
         self.admission = Admission(self.cfg.limits.max_in_flight, self.retry_after)
@@ -133,9 +132,7 @@ class Ingress:
 
     def draft_swapped(self) -> dict:
         """A new draft serves now: per-class acceptance learnt on the old one no longer holds."""
-        old, self.acceptance_by_class = self.acceptance_by_class, {}
-        self.recent_acceptance.clear()
-        return {"reset_classes": sorted(old)}
+        return {"reset_classes": self.observer.draft_swapped()}
 
     # -- plumbing -----------------------------------------------------------------------------
     def _auth(self, request: Request) -> tuple[str, object]:
@@ -190,9 +187,8 @@ class Ingress:
                                  prompt_class=policy.classify_prompt(text),
                                  prompt_tokens=prompt_len, max_tokens=max_tokens)
         try:
-            stats = to_cluster_stats(self.live.snapshots(), self.acceptance_by_class,
-                                     self._recent())
-            decision = policy.choose_tier(req, stats, self.policy_state, self.policy_config)
+            decision = policy.choose_tier(req, self.observer.cluster_stats(), self.policy_state,
+                                          self.policy_config)
             self.policy_state = decision.state
             tier, k_max, reason = decision.tier, decision.k_max, decision.reason
         except Exception:       # a policy bug must not take the API down: serve by plan
@@ -203,15 +199,6 @@ class Ingress:
             tier, reason = "baseline", "no_small_tier"
         self.m_decisions.inc(tags={"tier": tier, "reason": reason})
         return tier, k_max, reason, req.prompt_class
-
-    def _recent(self) -> dict:
-        """What recently finished requests tell the policy (TierStats fields)."""
-        out = {"acceptance_samples": tuple(self.recent_acceptance)}
-        if self.recent_lengths:
-            n = len(self.recent_lengths)
-            out["mean_prompt_tokens"] = sum(p for p, _ in self.recent_lengths) / n
-            out["mean_output_tokens"] = sum(o for _, o in self.recent_lengths) / n
-        return out
 
     async def _start(self, gen_req: GenerateRequest):
         """Send to the tier and wait for the first chunk, so errors become HTTP statuses."""
@@ -229,17 +216,12 @@ class Ingress:
         return first, stream
 
     async def _usage(self, last: GenerateChunk, charge, prompt_class: str) -> Usage:
-        """Price what ran, spool the ledger record (fsync), feed the policy's live stats."""
+        """Price what ran and spool the ledger record (fsync); tell the observer it finished."""
         usage = await self.accounts.finish_async(charge, last, "ok", 200)
         self._count_revenue(usage)
-        tier = charge.tier
-        a = last.token_acceptance
-        if a is not None and tier == "speculative":
-            old = self.acceptance_by_class.get(prompt_class, a)
-            self.acceptance_by_class[prompt_class] = 0.9 * old + 0.1 * a
-            self.recent_acceptance.append(a)
-        if tier != "small":
-            self.recent_lengths.append((last.num_prompt_tokens, last.num_output_tokens))
+        self.observer.finished(charge.tier, prompt_class, RequestOutcome(
+            last.num_prompt_tokens, last.num_output_tokens, last.num_accepted_tokens,
+            last.num_draft_trials))
         return usage
 
     def _count_revenue(self, usage) -> None:
@@ -279,7 +261,7 @@ class Ingress:
             tier, k_max, reason, prompt_class = self._decide(plan, body, text, prompt_len,
                                                              sampling["max_tokens"])
             self.capture.offer(plan, chat_text(messages) if chat else text, prompt_class,
-                               self.acceptance_by_class)
+                               self.observer.acceptance_by_class(learnt_only=True))
             charge = await self.accounts.admit(request_id, key, plan, _endpoint_plan(request), api,
                                                tier, reason, prompt_len + sampling["max_tokens"])
             gen_req = GenerateRequest(
@@ -401,10 +383,7 @@ class Ingress:
     @app.get("/health")
     async def health(self, request: Request) -> Response:
         self.live.start()
-        tiers = {kind: {"replicas": len(s.replicas), "running": s.num_running,
-                        "waiting": s.num_waiting, "kv_headroom": round(s.kv_headroom, 4),
-                        "replica_ids": [r.replica_id for r in s.replicas], **_kv_and_acceptance(s)}
-                 for kind, s in self.live.snapshots().items()}
+        tiers = {kind: _tier_health(replicas) for kind, replicas in self.observer.replicas.items()}
         ready = all(t["replicas"] > 0 for t in tiers.values())
         status = "draining" if self.admission.draining else "ok" if ready else "starting"
         body = {"status": status}
@@ -428,12 +407,16 @@ class Ingress:
         self.live.start()     # the first health check runs on the replica's loop: start polling
 
 
-def _kv_and_acceptance(snapshot) -> dict:
-    """KV bytes held (target, draft) summed over a tier's replicas, and their live per-token
-    acceptance: read-only numbers for `specserve bench serve` and operators."""
-    reps = snapshot.replicas
+def _tier_health(replicas: dict) -> dict:
+    """One tier's replicas, load, KV bytes held (target, draft) and live per-token acceptance:
+    read-only numbers for `specserve bench serve` and operators."""
+    reps = list(replicas.values())
     acc = [r.token_acceptance for r in reps if r.token_acceptance is not None]
-    return {"kv_budget_bytes": sum(r.kv_budget_bytes for r in reps),
+    headroom = [r.kv_headroom_bytes / r.kv_budget_bytes for r in reps if r.kv_budget_bytes > 0]
+    return {"replicas": len(reps), "running": sum(r.num_running for r in reps),
+            "waiting": sum(r.num_waiting for r in reps),
+            "kv_headroom": round(max(headroom, default=1.0), 4), "replica_ids": list(replicas),
+            "kv_budget_bytes": sum(r.kv_budget_bytes for r in reps),
             "kv_used_target_bytes": sum(r.kv_used_target_bytes for r in reps),
             "kv_used_draft_bytes": sum(r.kv_used_draft_bytes for r in reps),
             "token_acceptance": sum(acc) / len(acc) if acc else None}

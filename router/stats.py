@@ -1,7 +1,7 @@
-"""The live statistics the tier policy reads: plain dataclasses, filled by whoever observes.
+"""The live statistics the tier policy reads: plain dataclasses, filled by `router.observer`.
 
-The live router fills them from replica stats; the capacity simulator fills them from its own
-replicas. This module only holds data: it imports neither torch nor Ray and decides nothing.
+The observer fills them from replicas' `EngineStats`, live or simulated, and finished requests.
+This module only holds data: it imports neither torch nor Ray and decides nothing.
 
 Memory is per replica on its *tightest* GPU (the one whose KV budget runs out first: with a
 colocated whole draft, the draft's GPU). All byte counts charge against that GPU's budget.
@@ -22,6 +22,7 @@ class TierStats:
 
     decode_batch_size: int = 0  # sequences in the running batch
     num_speculating: int = 0  # of those, sequences in speculative mode (holding draft KV)
+    speculating_acceptance: tuple[float, ...] = ()  # the engine's a for each of those
     queue_depth: int = 0  # requests waiting for admission
     kv_headroom_bytes: int = 0  # free KV bytes on the tightest GPU
     kv_budget_bytes: int = 0  # KV budget on that GPU: memory - weights - activation reserve

@@ -39,6 +39,7 @@ class GenerateChunk:
     num_speculative_tokens: int = 0          # output tokens emitted in speculative mode (billing)
     num_draft_tokens: int = 0                # draft tokens proposed / accepted, cumulative
     num_accepted_tokens: int = 0
+    num_draft_trials: int = 0                # draft tokens tried: accepted + rejections
     reason: str | None = None                # set when the engine changed the mode (draft_unavailable)
     fingerprint: str | None = None           # the replica's weights, numerics and sampler
 

@@ -103,7 +103,7 @@ def test_a_failed_request_is_503_and_the_replica_serves_on(tiny_family):
         assert err.value.status == 503 and err.value.code == "engine_error"
         assert "injected" not in err.value.message       # no exception text to the client
         server.check_health()
-        assert server.record_routing_stats()["available"] is True
+        assert server.record_routing_stats().available is True
         assert _collect(server, _request(prompt="def add(a, b):"))[-1].finished
         assert server.engine.stats().kv_used_target_bytes == 0
     finally:
@@ -132,7 +132,10 @@ def test_a_failing_draft_continues_in_baseline_with_its_reason(tiny_family):
 
 
 def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
-    from router.live_stats import ReplicaStats, TierSnapshot, _load_key
+    from dataclasses import replace
+
+    from router.live_stats import _load_key
+    from router.observer import Observer
 
     server = _server(SmallServer, tiny_family, engine_args={"fault_injection": True})
     try:
@@ -144,16 +147,17 @@ def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
         with pytest.raises(RuntimeError, match="engine loop stopped"):
             server.check_health()
         dead = server.record_routing_stats()
-        assert dead["available"] is False and dead["num_running"] == 0
+        assert dead.available is False and dead.num_running == 0
 
         class Replica:                 # what Serve's router holds: the replica's reported stats
             def __init__(self, stats):
                 self.routing_stats = stats
 
-        busy = {"available": True, "num_running": 5, "num_waiting": 3}
+        busy = replace(dead, available=True, num_running=5, num_waiting=3)
         assert sorted([Replica(dead), Replica(busy)], key=_load_key)[0].routing_stats is busy
-        snapshot = TierSnapshot("SmallServer", [ReplicaStats.from_routing_stats("dead", dead),
-                                                ReplicaStats.from_routing_stats("busy", busy)])
-        assert snapshot.next_replica.replica_id == "busy"
+        observer = Observer(kinds=("small",))
+        observer.report("dead", dead, "small")
+        observer.report("busy", busy, "small")
+        assert observer.next_replica("small") is busy
     finally:
         server.engine.shutdown()

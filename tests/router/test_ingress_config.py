@@ -118,36 +118,6 @@ def test_request_validation():
     assert json.dumps(error_body("m", "invalid_request_error", "c"))
 
 
-def test_live_stats_become_policy_stats():
-    from router.live_stats import ReplicaStats, TierSnapshot, to_cluster_stats
-
-    busy = ReplicaStats("a", time=1, num_running=3, num_waiting=2, kv_budget_bytes=1000,
-                        kv_used_target_bytes=400, kv_used_draft_bytes=100, num_speculative=1,
-                        target_kv_bytes_per_token=10, draft_kv_bytes_per_token=2,
-                        acceptance_rate=0.5, token_acceptance=0.8, cost_model={
-                            "target": {"fixed_s": 1e-3, "per_seq_s": 1e-5, "per_token_s": 1e-6},
-                            "draft": {"fixed_s": 1e-4, "per_seq_s": 1e-6, "per_token_s": 1e-7}})
-    idle = ReplicaStats("b", time=1, kv_budget_bytes=1000, target_kv_bytes_per_token=10,
-                        draft_kv_bytes_per_token=2, cost_model=busy.cost_model)
-    snapshots = {"target": TierSnapshot("target", [busy, idle], 1, num_queued_here=1),
-                 "small": TierSnapshot("small", [])}
-    assert snapshots["target"].next_replica is idle
-    stats = to_cluster_stats(snapshots, {"code": 0.9})
-    target = stats.target
-    assert target.decode_batch_size == 0 and target.queue_depth == 1
-    assert target.kv_headroom_bytes == 1000 and target.can_speculate
-    assert target.acceptance_by_class["code"] == 0.9
-    assert stats.small.decode_batch_size == 0
-    snapshots["target"] = TierSnapshot("target", [busy], 1)
-    target = to_cluster_stats(snapshots, {}).target
-    assert target.decode_batch_size == 3 and target.queue_depth == 2
-    assert target.kv_headroom_bytes == 500 and target.context_tokens == 40
-    assert target.acceptance_by_class["chat"] == 0.8      # the per-token a, not accepted/drafted
-    recent = {"acceptance_samples": (0.4, 0.9), "mean_prompt_tokens": 12.0, "mean_output_tokens": 30.0}
-    target = to_cluster_stats(snapshots, {}, recent).target
-    assert target.acceptance_samples == (0.4, 0.9) and target.mean_output_tokens == 30.0
-
-
 def test_token_auth_is_switched_on_explicitly(tmp_path, monkeypatch):
     from cluster import ray_local
 

@@ -1,0 +1,127 @@
+"""The way back up: replicas' `EngineStats` and finished requests in, the policy's `ClusterStats` out.
+
+One observer per router. The live ingress feeds it from the stats Serve carries to its request
+routers (`router/live_stats.py`); the capacity simulator feeds it from its simulated replicas
+(`cluster/sim/`). Both then call `choose_tier(request, observer.cluster_stats(), state)`, so the
+simulator's policy sees exactly what a live router could see, never the simulator's true numbers.
+
+  report(replica_id, EngineStats, kind)     a replica's latest stats (kind: target | small)
+  finished(tier, prompt_class, outcome)     a request ended: acceptance per prompt class (the
+                                            one estimator, engine/acceptance.py), recent
+                                            acceptance samples and prompt and output lengths
+  cluster_stats() -> ClusterStats           each tier as its next replica (the least loaded)
+                                            will meet a new request
+
+Pure Python: no torch, no Ray. Decides nothing (that is `router/policy.py`) and does not price
+anything (that is `router/pricing.py` and `router/accounting.py`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.acceptance import CLASS_DECAY, CLASS_PRIOR_TRIALS, MIN_SAMPLE_TRIALS, AcceptanceEstimate
+from engine.outputs import EngineStats
+from router.stats import PROMPT_CLASSES, ClusterStats, TierStats
+
+RECENT_REQUESTS = 256        # finished requests behind the acceptance samples and mean lengths
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What a finished request tells the observer."""
+
+    prompt_tokens: int
+    output_tokens: int
+    accepted_tokens: int = 0     # draft tokens accepted over the whole request
+    draft_trials: int = 0        # draft tokens tried (accepted + rejections); 0: never drafted
+
+
+class Observer:
+    def __init__(self, default_acceptance: float = 0.6, kinds: tuple[str, ...] = ("target", "small")):
+        self.default_acceptance = default_acceptance
+        self.replicas: dict[str, dict[str, EngineStats]] = {k: {} for k in kinds}
+        self.num_queued: dict[str, int] = {k: 0 for k in kinds}   # held by this caller, unsent
+        self.by_class: dict[str, AcceptanceEstimate] = {}
+        self.samples: deque[float] = deque(maxlen=RECENT_REQUESTS)
+        self.lengths: deque[tuple[int, int]] = deque(maxlen=RECENT_REQUESTS)
+
+    # -- in -----------------------------------------------------------------------------------
+    def report(self, replica_id: str, stats: EngineStats, kind: str = "target") -> None:
+        self.replicas.setdefault(kind, {})[replica_id] = stats
+
+    def retain(self, kind: str, replica_ids) -> None:
+        """Forget the replicas of `kind` not in replica_ids (gone, or their stats went stale)."""
+        keep = set(replica_ids)
+        self.replicas[kind] = {r: s for r, s in self.replicas.get(kind, {}).items() if r in keep}
+
+    def queued(self, kind: str, n: int) -> None:
+        self.num_queued[kind] = n
+
+    def finished(self, tier: str, prompt_class: str, outcome: RequestOutcome) -> None:
+        if tier != "small":
+            self.lengths.append((outcome.prompt_tokens, outcome.output_tokens))
+        if tier != "speculative" or outcome.draft_trials <= 0:
+            return
+        estimate = self.by_class.get(prompt_class)
+        if estimate is None:
+            estimate = AcceptanceEstimate(self._prior(), CLASS_PRIOR_TRIALS, CLASS_DECAY)
+            self.by_class[prompt_class] = estimate
+        estimate.observe(outcome.accepted_tokens, outcome.draft_trials)
+        if outcome.draft_trials >= MIN_SAMPLE_TRIALS:
+            self.samples.append(outcome.accepted_tokens / outcome.draft_trials)
+
+    def draft_swapped(self) -> list[str]:
+        """A new draft serves: what was learnt about the old one no longer holds."""
+        old = sorted(self.by_class)
+        self.by_class.clear()
+        self.samples.clear()
+        return old
+
+    # -- out ----------------------------------------------------------------------------------
+    def next_replica(self, kind: str) -> EngineStats | None:
+        """The replica a new request goes to: available ones first, then the least loaded."""
+        return min(self.replicas.get(kind, {}).values(),
+                   key=lambda s: (not s.available, s.load, -s.kv_headroom_bytes), default=None)
+
+    def acceptance_by_class(self, learnt_only: bool = False) -> dict[str, float]:
+        """Per-token a by prompt class: learnt from finished requests, else the engine's live a."""
+        live = self.next_replica("target")
+        fallback = live.token_acceptance if live is not None and not learnt_only else None
+        out = {name: e.value for name, e in self.by_class.items()}
+        if fallback is not None:
+            for name in PROMPT_CLASSES:
+                out.setdefault(name, fallback)
+        return out
+
+    def cluster_stats(self) -> ClusterStats:
+        target = self._tier("target")
+        tiers = {"speculative": target, "baseline": target}
+        if "small" in self.replicas:
+            tiers["small"] = self._tier("small")
+        return ClusterStats(tiers)
+
+    def _prior(self) -> float:
+        live = self.next_replica("target")
+        return live.token_acceptance if live and live.token_acceptance is not None else self.default_acceptance
+
+    def _tier(self, kind: str) -> TierStats:
+        queued = self.num_queued.get(kind, 0)
+        s = self.next_replica(kind)
+        if s is None:
+            return TierStats(queue_depth=queued)
+        draft_kv = s.draft_kv_bytes_per_token if kind == "target" else 0.0
+        n = len(self.lengths)
+        return TierStats(
+            decode_batch_size=s.num_running, num_speculating=min(s.num_speculative, s.num_running),
+            speculating_acceptance=tuple(s.speculating_acceptance),
+            queue_depth=s.num_waiting + queued,
+            kv_headroom_bytes=s.kv_headroom_bytes, kv_budget_bytes=s.kv_budget_bytes,
+            target_kv_bytes_per_token=s.target_kv_bytes_per_token,
+            draft_kv_bytes_per_token=draft_kv, context_tokens=s.context_tokens,
+            acceptance_by_class=self.acceptance_by_class() if kind == "target" else {},
+            acceptance_samples=tuple(self.samples),
+            mean_prompt_tokens=sum(p for p, _ in self.lengths) / n if n else 0.0,
+            mean_output_tokens=sum(o for _, o in self.lengths) / n if n else 0.0,
+            cost=s.cost if draft_kv > 0 else None)

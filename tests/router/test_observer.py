@@ -1,0 +1,134 @@
+"""router.observer: EngineStats and finished requests in, ClusterStats out, for the live router
+and the simulator alike (one path from the engine to choose_tier)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from cluster import simulator
+from cluster.scenarios import MIXES, SCENARIOS
+from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost
+from engine.outputs import EngineStats
+from router import live_stats
+from router.observer import Observer, RequestOutcome
+from router.policy import PolicyConfig, PolicyState, choose_tier
+
+COST = CalibratedCost(LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(1e-4, 1e-6, 1e-7)), 2e-4)
+
+
+def engine_stats(**kw) -> EngineStats:
+    base = dict(num_running=0, num_waiting=0, num_speculative=0, kv_budget_bytes=1000,
+                kv_used_target_bytes=0, kv_used_draft_bytes=0, target_kv_bytes_per_token=10.0,
+                draft_kv_bytes_per_token=2.0, context_tokens=0, max_model_len=512, cost=COST,
+                time=1.0)
+    return EngineStats(**{**base, **kw})
+
+
+def test_engine_stats_become_policy_stats():
+    busy = engine_stats(num_running=3, num_waiting=2, num_speculative=1, kv_used_target_bytes=400,
+                        kv_used_draft_bytes=100, context_tokens=40, acceptance_rate=0.5,
+                        token_acceptance=0.8, speculating_acceptance=(0.75,))
+    idle = engine_stats()
+    obs = Observer()
+    obs.report("a", busy)
+    obs.report("b", idle)
+    obs.queued("target", 1)
+    assert obs.next_replica("target") is idle
+    stats = obs.cluster_stats()
+    target = stats.target
+    assert target.decode_batch_size == 0 and target.queue_depth == 1
+    assert target.kv_headroom_bytes == 1000 and target.can_speculate
+    assert target.cost is COST               # the calibrated cost, what the engine learnt included
+    assert stats.small.decode_batch_size == 0
+    obs.retain("target", ["a"])
+    obs.queued("target", 0)
+    target = obs.cluster_stats().target
+    assert target.decode_batch_size == 3 and target.queue_depth == 2
+    assert target.kv_headroom_bytes == 500 and target.context_tokens == 40
+    assert target.speculating_acceptance == (0.75,)
+    assert target.acceptance_by_class["chat"] == 0.8      # the per-token a, not accepted/drafted
+    obs.finished("speculative", "code", RequestOutcome(12, 30, accepted_tokens=9, draft_trials=20))
+    obs.finished("small", "code", RequestOutcome(100, 100))
+    target = obs.cluster_stats().target
+    assert target.acceptance_samples == (9 / 20,) and target.mean_output_tokens == 30.0
+    assert 0.45 < target.acceptance_by_class["code"] < 0.8    # moved from the prior toward 9/20
+    assert obs.draft_swapped() == ["code"] and obs.cluster_stats().target.acceptance_samples == ()
+
+
+def test_small_tier_never_speculates_and_a_dead_replica_goes_last():
+    obs = Observer()
+    obs.report("s", engine_stats(draft_kv_bytes_per_token=5.0), "small")
+    assert not obs.cluster_stats().small.can_speculate
+    obs.report("dead", engine_stats(available=False))
+    obs.report("busy", engine_stats(num_running=9))
+    assert obs.next_replica("target").num_running == 9
+
+
+class _Recorder(Observer):
+    """The simulator's observer, recording what it is told, in order."""
+
+    log: list = []
+
+    def report(self, replica_id, stats, kind="target"):
+        self.log.append(("report", replica_id, stats, kind))
+        super().report(replica_id, stats, kind)
+
+    def finished(self, tier, prompt_class, outcome):
+        self.log.append(("finished", tier, prompt_class, outcome))
+        super().finished(tier, prompt_class, outcome)
+
+
+def _simulate_and_record(monkeypatch, load: int):
+    """Run the simulator's auto policy; return its observer's inputs and its decisions."""
+    events = []
+    _Recorder.log = events
+    real = simulator.choose_tier
+
+    def deciding(request, stats, state, config):
+        decision = real(request, stats, state, config)
+        events.append(("decide", request, stats, state, decision))
+        return decision
+
+    monkeypatch.setattr(simulator, "Observer", _Recorder)
+    monkeypatch.setattr(simulator, "choose_tier", deciding)
+    scn = SCENARIOS["seed-4xa100"]
+    target, small = simulator.build_replicas(scn.deployment, "whole", "auto", 4)
+    workload = replace(scn.workload, requests=48)
+    simulator.simulate(target, small, "auto", workload, MIXES["article"], load, seed=3)
+    return events
+
+
+@pytest.mark.parametrize("load,reasons", [(4, {"low_load"}), (24, {"low_load", "batch_large"})])
+def test_the_live_router_decides_as_the_simulator_on_the_same_engine_stats(monkeypatch, load, reasons):
+    events = _simulate_and_record(monkeypatch, load)
+    assert {e[4].reason for e in events if e[0] == "decide"} == reasons
+    assert any(e[0] == "finished" and e[1] == "speculative" for e in events)
+
+    # The live side: Serve's routers hold each replica's last EngineStats; LiveStats polls them.
+    routers = {kind: SimpleNamespace(stats={}, num_queued=0) for kind in ("target", "small")}
+    for kind, r in routers.items():
+        r.replica_stats = (lambda r=r: dict(r.stats))
+    handles = {kind: SimpleNamespace(deployment_id=SimpleNamespace(app_name="sim", name=kind))
+               for kind in routers}
+    monkeypatch.setattr(live_stats, "_ROUTERS", {("sim", k): r for k, r in routers.items()})
+    observer = Observer(PolicyConfig().default_acceptance, tuple(handles))
+    live = live_stats.LiveStats(handles, observer)
+    state = PolicyState()
+    for event in events:
+        if event[0] == "report":
+            _, replica_id, stats, kind = event
+            routers[kind].stats[replica_id] = stats
+            live.poll(now=stats.time)
+        elif event[0] == "finished":
+            observer.finished(*event[1:])
+        else:
+            _, request, sim_stats, sim_state, sim_decision = event
+            assert state == sim_state
+            stats = observer.cluster_stats()
+            assert stats == sim_stats
+            decision = choose_tier(request, stats, state, PolicyConfig())
+            assert decision == sim_decision
+            state = decision.state
