@@ -103,18 +103,13 @@ def fitted_cost(engine, overhead_s: float):
     return LinearStepCost(target, draft)
 
 
-def _replica(engine, tier_config: dict, overhead_s: float):
-    from transformers import AutoConfig
-
+def _replica(engine, overhead_s: float):
     from cluster.simulator import ReplicaConfig
-    from models.loader import kv_bytes_per_token, resolve_dtype
 
-    dtype = resolve_dtype(tier_config["dtype"])
-    tkv = kv_bytes_per_token(AutoConfig.from_pretrained(tier_config["model"]), dtype)
-    dkv = (kv_bytes_per_token(AutoConfig.from_pretrained(tier_config["draft"]), dtype)
-           if tier_config.get("draft") else 0.0)
-    return ReplicaConfig(fitted_cost(engine, overhead_s), [float(engine.pool.budget_bytes)], [0.0], [float(tkv)],
-                         [float(dkv)], max_num_seqs=engine.config.max_num_seqs,
+    stats = engine.stats()          # KV budget and bytes per token, as the engine reports them
+    return ReplicaConfig(fitted_cost(engine, overhead_s), [float(stats.kv_budget_bytes)], [0.0],
+                         [stats.target_kv_bytes_per_token], [stats.draft_kv_bytes_per_token],
+                         max_num_seqs=engine.config.max_num_seqs,
                          max_batched_tokens=engine.config.max_num_batched_tokens)
 
 
@@ -122,16 +117,14 @@ def build(family: str | None, overhead_s: float = 0.0):
     """(target replica, small replica, prompt token counts) from the app's local config."""
     from cluster.bench_serve import PROMPTS_DIR, load_prompts
     from cluster.launch_up import DEFAULT_CONFIG
-    from deployments.engine_server import EngineServer
     from engine.llm_engine import LLMEngine
     from router.config import load_config
 
     cfg = load_config(DEFAULT_CONFIG, family)
-    tiers = [cfg.target.model_dump(), cfg.small.model_dump()]
-    engines = [LLMEngine(EngineServer.engine_config(t)) for t in tiers]
+    engines = [LLMEngine(t.engine_config()) for t in (cfg.target, cfg.small)]
     prompts = [p for ps in load_prompts(PROMPTS_DIR, ["code", "prose", "chat"]).values() for p in ps]
     lengths = [len(engines[0].tokenizer(p)["input_ids"]) for p in prompts]
-    reps = [_replica(e, t, overhead_s) for e, t in zip(engines, tiers)]
+    reps = [_replica(e, overhead_s) for e in engines]
     for e in engines:
         e.shutdown() if hasattr(e, "shutdown") else None
     return reps[0], reps[1], lengths

@@ -63,11 +63,11 @@ def build_app(args: AppConfig | dict, engine_class: str = ENGINE_CLASS,
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     period = cfg.stats.period_s
     target = TargetDeployment.options(**_tier_options(cfg.target, cfg)).bind(
-        cfg.target.model_dump(), engine_class, period, tp_worker_class)
+        cfg.target, engine_class, period, tp_worker_class)
     small = None
     if cfg.small is not None:
         small = SmallDeployment.options(**_tier_options(cfg.small, cfg)).bind(
-            cfg.small.model_dump(), engine_class, period)
+            cfg.small, engine_class, period)
     ingress = IngressDeployment.options(
         num_replicas=1,
         max_ongoing_requests=cfg.limits.max_ongoing_requests,
@@ -76,7 +76,7 @@ def build_app(args: AppConfig | dict, engine_class: str = ENGINE_CLASS,
                                                retry_after_s=cfg.limits.retry_after_s),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus,
                            "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}})
-    return ingress.bind(cfg.model_dump(), target, small)
+    return ingress.bind(cfg, target, small)
 
 
 __all__ = ["build_app", "serve"]

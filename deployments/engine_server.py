@@ -11,7 +11,6 @@ and exports metrics. No tensor math here.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -20,6 +19,7 @@ from typing import AsyncIterator
 
 from deployments.metrics import ReplicaMetrics
 from deployments.tp_group import import_object
+from router.config import TierModelConfig
 from router.wire import GenerateChunk, TierError, GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -36,13 +36,13 @@ def simple_chat_prompt(messages: list[dict]) -> str:
 class EngineServer:
     kind = "target"
 
-    def __init__(self, tier_config: dict, engine_class: str = ENGINE_CLASS,
+    def __init__(self, tier: TierModelConfig, engine_class: str = ENGINE_CLASS,
                  stats_period_s: float = 1.0, peers=None):
         import torch
 
-        torch.set_num_threads(tier_config.get("num_threads", 1))
-        self.tier_config = tier_config
-        config = self.engine_config(tier_config)
+        torch.set_num_threads(tier.num_threads)
+        self.tier = tier
+        config = tier.engine_config()
         engine_cls = import_object(engine_class) if isinstance(engine_class, str) else engine_class
         # peers: ranks 1..N-1 of a tensor-parallel target (engine.model_runner.Peers), or None.
         self.engine = engine_cls(config, peers=peers)
@@ -51,10 +51,10 @@ class EngineServer:
         self._stats_period_s = stats_period_s
         self._exporter: asyncio.Task | None = None
         self._errors = self._engine_errors()
-        self.fingerprint = self.replica_fingerprint(tier_config)
+        self.fingerprint = self.replica_fingerprint(tier)
 
     @staticmethod
-    def replica_fingerprint(tier_config: dict) -> str:
+    def replica_fingerprint(tier: TierModelConfig) -> str:
         """What a seeded request's text depends on besides the request: the served model's
         files (not the draft's: the sampler is exact, drafts change speed only), the sampler
         version, dtype, device type and TP size (numerics). The ingress adds the model name."""
@@ -64,29 +64,10 @@ class EngineServer:
         from engine.coupled_sampler import SAMPLER_VERSION
         from models.fingerprint import checkpoint_digest
 
-        material = {"weights": checkpoint_digest(tier_config["model"]), "sampler": SAMPLER_VERSION,
-                    "dtype": tier_config["dtype"], "device": str(tier_config["device"]).split(":")[0],
-                    "tp_size": tier_config.get("tp_size", 1)}
+        material = {"weights": checkpoint_digest(tier.model), "sampler": SAMPLER_VERSION,
+                    "dtype": tier.dtype, "device": str(tier.device).split(":")[0],
+                    "tp_size": tier.tp_size}
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
-
-    @staticmethod
-    def engine_config(tier_config: dict):
-        """The engine's dataclass config from a tier's `TierModelConfig` fields."""
-        from engine.config import EngineConfig
-
-        cfg = dict(target=tier_config["model"], draft=tier_config.get("draft"),
-                   dtype=tier_config["dtype"], device=tier_config["device"],
-                   kv_budget_bytes=tier_config.get("kv_budget_bytes"),
-                   max_num_seqs=tier_config["max_num_seqs"],
-                   max_model_len=tier_config.get("max_model_len"),
-                   num_threads=tier_config.get("num_threads", 1),
-                   max_waiting=tier_config["max_waiting"], tp_size=tier_config.get("tp_size", 1))
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = set(tier_config.get("engine_args") or {}) - known
-        if unknown:
-            raise ValueError(f"engine_args {sorted(unknown)} are not EngineConfig fields")
-        cfg.update(tier_config.get("engine_args") or {})
-        return EngineConfig(**cfg)
 
     @staticmethod
     def _engine_errors() -> tuple[type, ...]:

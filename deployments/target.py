@@ -12,25 +12,24 @@ from ray import serve
 
 from deployments.engine_server import ENGINE_CLASS, EngineServer
 from deployments.tp_group import TP_WORKER_CLASS, TPGroup
+from router.config import TierModelConfig
 
 
 class TargetServer(EngineServer):
     kind = "target"
 
-    def __init__(self, tier_config: dict, engine_class: str = ENGINE_CLASS,
+    def __init__(self, tier: TierModelConfig, engine_class: str = ENGINE_CLASS,
                  stats_period_s: float = 1.0, tp_worker_class: str = TP_WORKER_CLASS):
-        tp_size = tier_config.get("tp_size", 1)
-        config = self.engine_config(tier_config)
+        config = tier.engine_config()
         # Ranks 1..N-1 start in bundles 1..N-1 and wait in the rendezvous; `peers()` joins this
         # process as rank 0. The engine then hands every rank its pool layout (tokens per block,
         # which the draft's KV shape sets, and block count), so block ids mean the same slots.
         self.tp_group = TPGroup.start(
-            tp_size,
+            tier.tp_size,
             worker_kwargs={"target": config.target, "dtype": config.dtype, "device": config.device},
-            num_cpus=tier_config.get("num_cpus_per_rank", 1.0),
-            num_gpus=tier_config.get("num_gpus_per_rank", 0.0),
-            num_threads=tier_config.get("num_threads", 1), worker_path=tp_worker_class)
-        super().__init__(tier_config, engine_class, stats_period_s,
+            num_cpus=tier.num_cpus_per_rank, num_gpus=tier.num_gpus_per_rank,
+            num_threads=tier.num_threads, worker_path=tp_worker_class)
+        super().__init__(tier, engine_class, stats_period_s,
                          peers=self.tp_group.peers(config.device))
         self.tp_group.wait_ready()
         self.tp_group.watch()

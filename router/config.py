@@ -2,13 +2,15 @@
 
 Owns the user-facing shape of a deployment (model folders, tensor-parallel size, replicas, the
 price table, API keys, limits) as pydantic models that refuse bad input with a clear message.
-Does not own the engine's own dataclass config (`engine.config.EngineConfig`, built from a
-`TierModelConfig` in `deployments/`), nor Ray itself. Imports neither torch nor Ray.
+Typed end to end: a tier builds the engine's own dataclass config (`TierModelConfig.engine_config`
+-> `engine.config.EngineConfig`), the policy section is the policy's own `PolicyConfig`, both
+checked when the file is loaded. Imports neither torch nor Ray.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,7 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.capture import CaptureConfig
-from router.policy import PLANS, TIERS
+from engine.config import EngineConfig
+from router.policy import PLANS, TIERS, PolicyConfig
 
 
 
@@ -51,6 +54,23 @@ class TierModelConfig(_Strict):
         if value not in allowed:
             raise ValueError(f"dtype must be one of {sorted(allowed)}, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _engine_args(self) -> "TierModelConfig":
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(self.engine_args) - known
+        if unknown:
+            raise ValueError(f"engine_args {sorted(unknown)} are not EngineConfig fields")
+        self.engine_config()        # EngineConfig's own checks, at load time
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's dataclass config for one replica of this tier."""
+        return EngineConfig(**{
+            "target": self.model, "draft": self.draft, "dtype": self.dtype, "device": self.device,
+            "kv_budget_bytes": self.kv_budget_bytes, "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len, "num_threads": self.num_threads,
+            "max_waiting": self.max_waiting, "tp_size": self.tp_size, **self.engine_args})
 
 
 class TierPrice(_Strict):
@@ -137,7 +157,8 @@ class AppConfig(_Strict):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     stats: StatsConfig = Field(default_factory=StatsConfig)
-    policy: dict[str, Any] = Field(default_factory=dict, description="kwargs for the policy's config")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig,
+                                 description="the tier policy's settings (router/policy.py)")
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     plans: dict[str, PlanLimits] = Field(default_factory=dict, description="rate limits per plan")
     ingress_num_cpus: float = Field(0.1, ge=0)
@@ -148,7 +169,7 @@ class AppConfig(_Strict):
     @classmethod
     def _legacy_k_cap(cls, data: Any) -> Any:
         """The k cap is `policy.k_max`; older files named it `policy.max_k` or `target.k_max`."""
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or not isinstance(data.get("policy", {}), dict):
             return data
         policy = dict(data.get("policy") or {})
         target = data.get("target")

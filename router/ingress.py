@@ -98,15 +98,15 @@ async def _chain(first, stream):
 
 
 class Ingress:
-    def __init__(self, config: dict, target_handle, small_handle=None):
-        self.cfg = AppConfig.model_validate(config)
+    def __init__(self, config: AppConfig, target_handle, small_handle=None):
+        self.cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config)
         self.accounts = Accounting(self.cfg)     # live keys, rate limits, prices, ledger
         self.keys = self.accounts.keys
         self.prices = PriceTable.from_config(self.cfg.prices)
         self.handles = {"target": target_handle}
         if small_handle is not None:
             self.handles["small"] = small_handle
-        self.policy_config = policy.PolicyConfig(**self.cfg.policy)
+        self.policy_config = self.cfg.policy
         self.policy_state = policy.PolicyState()
         self.observer = Observer(self.policy_config.default_acceptance, tuple(self.handles))
         self.live = LiveStats(self.handles, self.observer, self.cfg.stats.period_s,

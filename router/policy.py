@@ -78,6 +78,21 @@ class PolicyConfig:
     kv_low_water: float = 0.10  # fraction of the KV budget a speculative admission must leave free
     default_acceptance: float = 0.6  # prior when a prompt class has no live estimate yet
 
+    def __post_init__(self) -> None:
+        """Checked where the config is loaded (`router.config.AppConfig.policy`)."""
+        if not 0 <= self.k_max <= 16:
+            raise ValueError(f"policy.k_max must be in [0, 16], got {self.k_max}")
+        if not 0 < self.exit_gain <= self.enter_gain:
+            raise ValueError(f"policy needs 0 < exit_gain <= enter_gain, got {self.exit_gain} "
+                             f"and {self.enter_gain}")
+        if not 0 <= self.batch_band < 1 or not 0 <= self.kv_low_water < 1:
+            raise ValueError("policy.batch_band and policy.kv_low_water must be in [0, 1)")
+        if not 0 <= self.queue_deep_exit < self.queue_deep_enter:
+            raise ValueError(f"policy needs 0 <= queue_deep_exit < queue_deep_enter, got "
+                             f"{self.queue_deep_exit} and {self.queue_deep_enter}")
+        if not 0 < self.default_acceptance < 1:
+            raise ValueError("policy.default_acceptance must be in (0, 1)")
+
 
 @dataclass(frozen=True)
 class Decision:

@@ -16,7 +16,7 @@ def _server(cls, family, **fields):
     role = "small" if cls is SmallServer else "target"
     draft = str(family["draft"]) if cls is TargetServer else None
     cfg = TierModelConfig(model=str(family[role]), draft=draft, kv_budget_bytes=4 << 20, **fields)
-    return cls(cfg.model_dump())
+    return cls(cfg)
 
 
 def _collect(server, req):

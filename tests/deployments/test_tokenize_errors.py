@@ -16,7 +16,7 @@ from router.wire import GenerateRequest, TierError
 @pytest.fixture(scope="module")
 def small(tiny_family):
     cfg = TierModelConfig(model=str(tiny_family["small"]), kv_budget_bytes=4 << 20)
-    server = SmallServer(cfg.model_dump())
+    server = SmallServer(cfg)
     yield server
     server.engine.shutdown()
 

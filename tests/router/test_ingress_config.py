@@ -35,6 +35,30 @@ def test_llama2_70b_yaml_loads():
     assert cfg.target.model.endswith("Llama-2-70b-hf") and cfg.target.draft.endswith("Llama-2-7b-hf")
     assert cfg.small.model.endswith("Meta-Llama-3-8B-Instruct") and cfg.small.device == "cuda"
     assert set(cfg.prices) == {"speculative", "baseline", "small"}
+    assert cfg.policy.k_max == 8            # a typed PolicyConfig, read at load time
+    engine = cfg.target.engine_config()     # the engine's dataclass, built straight from the tier
+    assert (engine.tp_size, engine.max_num_seqs, engine.kv_budget_bytes) == (4, 64, 25769803776)
+
+
+def test_bad_policy_or_engine_args_fail_when_the_config_loads(tmp_path):
+    base = {"target": {"model": "/m"}}
+    for policy, match in (({"k_max": -1}, "k_max"), ({"kmax": 3}, "kmax"),
+                          ({"enter_gain": 1.0, "exit_gain": 1.1}, "exit_gain"),
+                          ({"queue_deep_enter": 2, "queue_deep_exit": 2}, "queue_deep"),
+                          ({"default_acceptance": "high"}, "default_acceptance")):
+        with pytest.raises(ValidationError, match=match):
+            AppConfig.model_validate({**base, "policy": policy})
+    with pytest.raises(ValidationError, match="not EngineConfig fields"):
+        AppConfig.model_validate({"target": {"model": "/m", "engine_args": {"blocksize": 8}}})
+    with pytest.raises(ValidationError, match="max_num_batched_tokens"):
+        AppConfig.model_validate({"target": {"model": "/m", "engine_args": {"max_num_batched_tokens": 1}}})
+    path = tmp_path / "app.yaml"
+    path.write_text("app:\n  target: {model: /m}\n  policy: {k_max: 99}\n")
+    with pytest.raises(ValidationError, match="k_max"):
+        load_config(path)
+    # the cap's older names still load, as policy.k_max
+    assert AppConfig.model_validate({**base, "policy": {"max_k": 3}}).policy.k_max == 3
+    assert AppConfig.model_validate({"target": {"model": "/m", "k_max": 5}}).policy.k_max == 5
 
 
 def test_ray_cluster_launcher_yaml_matches_the_topology():
