@@ -5,7 +5,7 @@ log-probabilities over them, cached once), the DeepSpeed engine that trains the 
 config: ZeRO stage, offload, bf16, optimizer, scheduler; its checkpoints, so a run resumes), the
 loss (forward KL to the target at the serving temperature plus a little cross-entropy), held-out
 acceptance per prompt class, and the output: a standard Hugging Face folder with the target's
-tokenizer. Does not own: generating the continuations (the engine does it; `cluster/draft_cli.py`
+tokenizer. Does not own: generating the continuations (the engine does it; `cluster/cli/draft_distill.py`
 wires them), prompts (`models/distill_prompts.py`), nor serving or swapping the result.
 """
 

@@ -25,13 +25,11 @@ import logging
 import math
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve import metrics
 from ray.serve.exceptions import BackPressureError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from router import admin, policy
@@ -39,62 +37,20 @@ from router.accounting import Accounting
 from router.admission import Admission
 from router.capture import CaptureBuffer, chat_text
 from router.config import AppConfig
+from router.http_app import app, chain, endpoint_plan, routes
 from router.live_stats import LiveStats
 from router.observer import Observer, RequestOutcome
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
                                   Usage, chat_body, chat_chunk, completion_body, completion_chunk,
                                   error_body, new_id, system_fingerprint)
 from router.pricing import PriceTable, check_speculation, effective_plan, plan_covers
+from router.revenue import Revenue
 from router.validation import parse_json_object, read_body, validate_request
 from router.wire import GenerateChunk, GenerateRequest, find_tier_error
 
 logger = logging.getLogger("ray.serve")
-ENDPOINT_PLANS = ("premium", "standard", "economy")
 FALLBACK_TIER = {"premium": "speculative", "standard": "baseline", "economy": "small",
                  "auto": "baseline"}
-PREFIXES = ("",) + tuple(f"/{p}" for p in ENDPOINT_PLANS)
-
-app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    """Unknown paths and methods answer in OpenAI's error shape too."""
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return HTTPError(exc.status_code, str(exc.detail), code, headers=exc.headers).response()
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    return HTTPError(400, "the request is not valid", "invalid_value").response()
-
-
-@app.exception_handler(Exception)
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    """The last resort: logged here, never shown to the client."""
-    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-    return HTTPError(500, "internal error", "internal_error").response()
-
-
-def _routes(suffix: str, method: str = "post"):
-    """Register one handler on `/v1/...` and on every pricing prefix."""
-    def wrap(fn):
-        for prefix in PREFIXES:
-            getattr(app, method)(prefix + suffix)(fn)
-        return fn
-    return wrap
-
-
-def _endpoint_plan(request: Request) -> str:
-    first = request.url.path[len(request.scope.get("root_path", "")):].lstrip("/").split("/")[0]
-    return first if first in ENDPOINT_PLANS else "auto"
-
-
-async def _chain(first, stream):
-    yield first
-    if not first.finished:
-        async for chunk in stream:
-            yield chunk
 
 
 class Ingress:
@@ -118,13 +74,7 @@ class Ingress:
                                            description="Tier decisions by tier and reason.")
         self.m_requests = metrics.Counter("specserve_requests", tag_keys=("status", "tier", "api"),
                                           description="Finished HTTP requests by status code.")
-        self.m_price = metrics.Counter("specserve_price_usd", tag_keys=("tier",),
-                                       description="USD charged, by the router's tier.")
-        self.m_billed = metrics.Counter("specserve_billed_tokens", tag_keys=("tier",),
-                                        description="Completion tokens billed, by the price "
-                                                    "they were billed at (what ran).")
-        self.m_completion = metrics.Counter("specserve_completion_tokens", tag_keys=("tier",),
-                                            description="Completion tokens, by the router's tier.")
+        self.revenue = Revenue(self.accounts)
         try:
             self.live.start()
         except RuntimeError:    # no running loop here: the first health check or request starts it
@@ -139,7 +89,7 @@ class Ingress:
         """The plan this request runs under and the key record; raises 401 / 403."""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        endpoint = _endpoint_plan(request)
+        endpoint = endpoint_plan(request)
         if not key:
             if self.cfg.auth.require_key:
                 raise HTTPError(401, "missing API key: send 'Authorization: Bearer <key>' "
@@ -216,29 +166,16 @@ class Ingress:
         return first, stream
 
     async def _usage(self, last: GenerateChunk, charge, prompt_class: str) -> Usage:
-        """Price what ran and spool the ledger record (fsync); tell the observer it finished."""
-        usage = await self.accounts.finish_async(charge, last, "ok", 200)
-        self._count_revenue(usage)
+        """Price what ran and spool the ledger record (fsync); then tell the observer."""
+        usage = await self.revenue.finish(charge, last)
         self.observer.finished(charge.tier, prompt_class, RequestOutcome(
             last.num_prompt_tokens, last.num_output_tokens, last.num_accepted_tokens,
             last.num_draft_trials))
         return usage
 
-    def _count_revenue(self, usage) -> None:
-        if usage.price_micro_usd > 0:
-            self.m_price.inc(usage.price_usd, tags={"tier": usage.tier})
-        if usage.completion_tokens:
-            self.m_completion.inc(usage.completion_tokens, tags={"tier": usage.tier})
-        for tier, n in ((("small", usage.baseline_tokens),) if usage.tier == "small" else
-                        (("speculative", usage.speculative_tokens),
-                         ("baseline", usage.baseline_tokens))):
-            if n:
-                self.m_billed.inc(n, tags={"tier": tier})
-
     def _end(self, charge, last, status: str, http_status: int, error: str | None = None):
         """A request that did not finish normally: its partial usage goes to the ledger."""
-        if charge is not None and not charge.done:
-            self._count_revenue(self.accounts.finish(charge, last, status, http_status, error))
+        self.revenue.end(charge, last, status, http_status, error)
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         api = "chat" if chat else "completions"
@@ -262,7 +199,7 @@ class Ingress:
                                                              sampling["max_tokens"])
             self.capture.offer(plan, chat_text(messages) if chat else text, prompt_class,
                                self.observer.acceptance_by_class(learnt_only=True))
-            charge = await self.accounts.admit(request_id, key, plan, _endpoint_plan(request), api,
+            charge = await self.accounts.admit(request_id, key, plan, endpoint_plan(request), api,
                                                tier, reason, prompt_len + sampling["max_tokens"])
             gen_req = GenerateRequest(
                 request_id=request_id, tier=tier, k_max=k_max, sampling=sampling,
@@ -292,7 +229,7 @@ class Ingress:
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         parts, token_ids, last = [], [], first
         try:
-            async for chunk in _chain(first, stream):
+            async for chunk in chain(first, stream):
                 parts.append(chunk.text)
                 token_ids += chunk.token_ids
                 last = chunk
@@ -324,7 +261,7 @@ class Ingress:
         status, tier, last = "200", charge.tier, first
         try:
             is_first = True
-            async for chunk in _chain(first, stream):
+            async for chunk in chain(first, stream):
                 last = chunk
                 if not (chunk.text or chunk.finished or is_first or (return_ids and chunk.token_ids)):
                     continue            # nothing to say yet (the detokenizer holds bytes back)
@@ -361,15 +298,15 @@ class Ingress:
             self.m_requests.inc(tags={"status": status, "tier": tier, "api": api})
 
     # -- routes -------------------------------------------------------------------------------
-    @_routes("/v1/completions")
+    @routes("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
 
-    @_routes("/v1/chat/completions")
+    @routes("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
 
-    @_routes("/v1/models", method="get")
+    @routes("/v1/models", method="get")
     async def models(self, request: Request) -> Response:
         try:
             self._auth(request)
@@ -383,7 +320,7 @@ class Ingress:
     @app.get("/health")
     async def health(self, request: Request) -> Response:
         self.live.start()
-        tiers = {kind: _tier_health(replicas) for kind, replicas in self.observer.replicas.items()}
+        tiers = self.observer.health()
         ready = all(t["replicas"] > 0 for t in tiers.values())
         status = "draining" if self.admission.draining else "ok" if ready else "starting"
         body = {"status": status}
@@ -405,21 +342,6 @@ class Ingress:
 
     async def check_health(self) -> None:
         self.live.start()     # the first health check runs on the replica's loop: start polling
-
-
-def _tier_health(replicas: dict) -> dict:
-    """One tier's replicas, load, KV bytes held (target, draft) and live per-token acceptance:
-    read-only numbers for `specserve bench serve` and operators."""
-    reps = list(replicas.values())
-    acc = [r.token_acceptance for r in reps if r.token_acceptance is not None]
-    headroom = [r.kv_headroom_bytes / r.kv_budget_bytes for r in reps if r.kv_budget_bytes > 0]
-    return {"replicas": len(reps), "running": sum(r.num_running for r in reps),
-            "waiting": sum(r.num_waiting for r in reps),
-            "kv_headroom": round(max(headroom, default=1.0), 4), "replica_ids": list(replicas),
-            "kv_budget_bytes": sum(r.kv_budget_bytes for r in reps),
-            "kv_used_target_bytes": sum(r.kv_used_target_bytes for r in reps),
-            "kv_used_draft_bytes": sum(r.kv_used_draft_bytes for r in reps),
-            "token_acceptance": sum(acc) / len(acc) if acc else None}
 
 
 IngressDeployment = serve.deployment(serve.ingress(app)(Ingress), name="Ingress")

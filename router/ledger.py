@@ -16,7 +16,7 @@ How a record is never lost (and never delays or loses the response):
 If even the spool cannot be written (disk full), the record stays in memory and the drainer
 writes it to the database directly; only a crash in that state loses it (logged loudly).
 Owns the record, the spool and the drain. Does not own prices (`router/billing.py`) nor the
-reports (`cluster/usage.py`). No Ray, no torch.
+reports (`cluster/cli/usage.py`). No Ray, no torch.
 """
 
 from __future__ import annotations

@@ -102,6 +102,10 @@ class Observer:
             tiers["small"] = self._tier("small")
         return ClusterStats(tiers)
 
+    def health(self) -> dict:
+        """Per tier: replicas, load, KV bytes held and live acceptance (for `/health`)."""
+        return {kind: _tier_health(replicas) for kind, replicas in self.replicas.items()}
+
     def _prior(self) -> float:
         live = self.next_replica("target")
         return live.token_acceptance if live and live.token_acceptance is not None else self.default_acceptance
@@ -125,3 +129,18 @@ class Observer:
             mean_prompt_tokens=sum(p for p, _ in self.lengths) / n if n else 0.0,
             mean_output_tokens=sum(o for _, o in self.lengths) / n if n else 0.0,
             cost=s.cost if draft_kv > 0 else None)
+
+
+def _tier_health(replicas: dict) -> dict:
+    """One tier's replicas, load, KV bytes held (target, draft) and live per-token acceptance:
+    read-only numbers for `specserve bench serve` and operators."""
+    reps = list(replicas.values())
+    acc = [r.token_acceptance for r in reps if r.token_acceptance is not None]
+    headroom = [r.kv_headroom_bytes / r.kv_budget_bytes for r in reps if r.kv_budget_bytes > 0]
+    return {"replicas": len(reps), "running": sum(r.num_running for r in reps),
+            "waiting": sum(r.num_waiting for r in reps),
+            "kv_headroom": round(max(headroom, default=1.0), 4), "replica_ids": list(replicas),
+            "kv_budget_bytes": sum(r.kv_budget_bytes for r in reps),
+            "kv_used_target_bytes": sum(r.kv_used_target_bytes for r in reps),
+            "kv_used_draft_bytes": sum(r.kv_used_draft_bytes for r in reps),
+            "token_acceptance": sum(acc) / len(acc) if acc else None}

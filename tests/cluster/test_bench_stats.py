@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cluster.bench_stats import SLO, RequestRecord, mean_ci95, percentile, summarize
+from cluster.bench.stats import SLO, RequestRecord, mean_ci95, percentile, summarize
 
 
 def test_percentile_interpolates_like_numpy():

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from cluster.sim_local import fit_linear, robust_fit
+from cluster.sim.local import fit_linear, robust_fit
 from engine.cost_model import LinearCost
 
 

@@ -1,4 +1,4 @@
-"""cluster.simulator: the analytic speed-up at one user, determinism, memory admission."""
+"""cluster.sim.simulator: the analytic speed-up at one user, determinism, memory admission."""
 
 import argparse
 import random
@@ -7,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from cluster import simulate as cli
-from cluster.scenarios import MIXES, SCENARIOS, Deployment, Workload, fixed_mix, make_request
-from cluster.simulator import ReplicaConfig, build_replicas, simulate
+from cluster.sim import simulate as cli
+from cluster.sim.scenarios import MIXES, SCENARIOS, Deployment, Workload, fixed_mix, make_request
+from cluster.sim.replica import ReplicaConfig, build_replicas
+from cluster.sim.simulator import simulate
 from engine.cost_model import LinearCost, LinearStepCost
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 

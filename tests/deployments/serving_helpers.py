@@ -63,7 +63,7 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, **overrides):
     """Start Ray (token auth on), deploy the app, wait until every tier reports stats."""
     from ray import serve
 
-    from cluster import ray_local
+    from cluster.launch import ray_local
     from models.rendezvous import free_port
     from deployments.app import build_app
 

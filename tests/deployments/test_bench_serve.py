@@ -23,7 +23,7 @@ def app(module_tmp, tiny_family):
 
 
 def _args(*argv):
-    from cluster import bench_serve
+    from cluster.bench import serve as bench_serve
 
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)
@@ -75,7 +75,7 @@ def test_bench_serve_writes_consistent_numbers(app, tmp_path):
 
 
 def test_errors_are_counted_by_status(app):
-    from cluster.bench_serve import bench
+    from cluster.bench.serve import bench
 
     # an economy key may not call the premium endpoint: every premium request is a 403
     args = _args("--policies", "premium,economy", "--users", "1", "--warmup-s", "0.5",

@@ -35,7 +35,7 @@ def _spec(client, n=12):
 
 def test_swap_during_traffic_drops_nothing_and_serves_the_new_draft(
         tiny_family, perfect_draft, module_tmp):
-    from cluster.draft_swap import apply
+    from cluster.cli.draft_swap import apply
 
     with served_app(module_tmp, tiny_family, target={"engine_args": {"adaptive_k": False}}) as app:
         with app.client("premium") as client:

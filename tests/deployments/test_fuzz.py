@@ -229,7 +229,7 @@ def test_bench_overload_loses_nothing(app):
     """`specserve bench overload` for a few seconds: every request ends, KV back to 0."""
     import argparse
 
-    from cluster import bench_overload
+    from cluster.bench import overload as bench_overload
 
     args = argparse.Namespace(capacity_s=2.0, concurrency=4, factor=4.0, duration=4.0,
                               max_tokens=8, deadline_s=60.0, seed=0, settle_s=15.0)

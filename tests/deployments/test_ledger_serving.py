@@ -191,7 +191,7 @@ def test_ledger_totals_equal_the_responses_over_200_mixed_requests(app):
     assert sum(u["speculative_tokens"] for u in responses.values()) > 0
     assert {r.plan for r in records.values()} == {"premium", "standard", "economy", "auto"}
     # `specserve usage` over the same ledger: its totals are these sums too.
-    from cluster.usage import render_table, report, totals
+    from cluster.cli.usage import render_table, report, totals
 
     rows = report(_db(app))
     mixed = [r for r in rows if r["key_name"].startswith("test-")]

@@ -106,7 +106,7 @@ def test_prompt_file_errors_are_clear(tmp_path):
 
 
 def test_swap_guard_refuses_a_class_that_got_worse(tmp_path):
-    from cluster.draft_swap import guard
+    from cluster.cli.draft_swap import guard
 
     def report(after_chat):
         (tmp_path / "distill.json").write_text(json.dumps({"heldout": {

@@ -143,7 +143,7 @@ def test_request_validation():
 
 
 def test_token_auth_is_switched_on_explicitly(tmp_path, monkeypatch):
-    from cluster import ray_local
+    from cluster.launch import ray_local
 
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
         monkeypatch.delenv(name, raising=False)
@@ -157,7 +157,7 @@ def test_token_auth_is_switched_on_explicitly(tmp_path, monkeypatch):
 
 
 def test_deploy_writes_a_serve_config():
-    from cluster.launch_deploy import serve_config
+    from cluster.launch.deploy import serve_config
 
     cfg = load_config(CONFIGS / "llama2-70b-4xa100.yaml")
     config = serve_config(cfg, "local:///opt/specserve", "0.0.0.0", 8000)
@@ -176,6 +176,7 @@ def test_grafana_dashboard_uses_only_exported_metrics():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {re.sub(r"_(total|bucket)$", "", m)[len("ray_"):]
             for e in exprs for m in re.findall(r"ray_specserve_\w+", e)}
-    source = (REPO / "deployments" / "metrics.py").read_text() + (REPO / "router" / "ingress.py").read_text()
+    source = "".join((REPO / f).read_text() for f in ("deployments/metrics.py", "router/ingress.py",
+                                                       "router/revenue.py"))
     declared = set(re.findall(r'"(specserve_[a-z_]+)"', source))
     assert used and used <= declared, used - declared

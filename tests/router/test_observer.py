@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster import simulator
-from cluster.scenarios import MIXES, SCENARIOS
+from cluster.sim import simulator
+from cluster.sim.replica import build_replicas
+from cluster.sim.scenarios import MIXES, SCENARIOS
 from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost
 from engine.outputs import EngineStats
 from router import live_stats
@@ -95,7 +96,7 @@ def _simulate_and_record(monkeypatch, load: int):
     monkeypatch.setattr(simulator, "Observer", _Recorder)
     monkeypatch.setattr(simulator, "choose_tier", deciding)
     scn = SCENARIOS["seed-4xa100"]
-    target, small = simulator.build_replicas(scn.deployment, "whole", "auto", 4)
+    target, small = build_replicas(scn.deployment, "whole", "auto", 4)
     workload = replace(scn.workload, requests=48)
     simulator.simulate(target, small, "auto", workload, MIXES["article"], load, seed=3)
     return events

@@ -104,7 +104,7 @@ def fitted_cost(engine, overhead_s: float):
 
 
 def _replica(engine, overhead_s: float):
-    from cluster.simulator import ReplicaConfig
+    from cluster.sim.replica import ReplicaConfig
 
     stats = engine.stats()          # KV budget and bytes per token, as the engine reports them
     return ReplicaConfig(fitted_cost(engine, overhead_s), [float(stats.kv_budget_bytes)], [0.0],
@@ -115,8 +115,8 @@ def _replica(engine, overhead_s: float):
 
 def build(family: str | None, overhead_s: float = 0.0):
     """(target replica, small replica, prompt token counts) from the app's local config."""
-    from cluster.bench_serve import PROMPTS_DIR, load_prompts
-    from cluster.launch_up import DEFAULT_CONFIG
+    from cluster.bench.serve import PROMPTS_DIR, load_prompts
+    from cluster.launch.up import DEFAULT_CONFIG
     from engine.llm_engine import LLMEngine
     from router.config import load_config
 
@@ -149,8 +149,8 @@ def _bench_acceptance(path: Path | None) -> float | None:
 
 
 def run_local(args) -> int:
-    from cluster.scenarios import AcceptanceMix, Workload
-    from cluster.simulator import simulate
+    from cluster.sim.scenarios import AcceptanceMix, Workload
+    from cluster.sim.simulator import simulate
 
     target, small, lengths = build(args.family, args.overhead_ms / 1000)
     bench = _bench_rows(args.bench)

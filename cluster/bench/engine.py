@@ -240,7 +240,7 @@ def _sweep_only(args, b: Bench, prompts) -> int:
         print(f"batch {batch}: baseline {base:.1f}, adaptive {adaptive:.1f} tok/s", file=sys.stderr)
     peer = None
     if args.peer:
-        from cluster.bench_peer import run_peer
+        from cluster.bench.peer import run_peer
 
         peer = run_peer(args, b, prompts, batches)
     result = {"family": str(args.family), "settings": {
@@ -250,7 +250,7 @@ def _sweep_only(args, b: Bench, prompts) -> int:
         "batch_sweep": sweep, "peer": peer}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
-    from cluster.bench_peer import print_side_by_side
+    from cluster.bench.peer import print_side_by_side
 
     print_side_by_side(sweep, peer)
     return 0

@@ -74,7 +74,7 @@ def run(args) -> int:
                   file=sys.stderr)
             return 1
         path = str(folder)
-    from cluster.ray_local import enable_token_auth
+    from cluster.launch.ray_local import enable_token_auth
 
     enable_token_auth()
     import ray

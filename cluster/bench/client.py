@@ -9,7 +9,7 @@ A policy is an endpoint plus body fields, chosen through the public API only:
   always-adaptive /v1 + "speculation": "on"   speculative with adaptive k whatever the load
 (premium and always-adaptive take the same tier and k rule; they differ in price and in the
 reason the ingress reports, and measuring both shows the run-to-run noise side by side.)
-Owns HTTP, SSE parsing and timing; the statistics are `cluster/bench_stats.py`'s.
+Owns HTTP, SSE parsing and timing; the statistics are `cluster/bench/stats.py`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from cluster.bench_stats import RequestRecord
+from cluster.bench.stats import RequestRecord
 
 POLICIES = {
     "standard": ("/standard/v1", {}),

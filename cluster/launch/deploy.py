@@ -2,7 +2,7 @@
 
 Writes the Serve config that `serve deploy` takes (one application: `import_path:
 deployments.app:build_app`, `args:` the validated `AppConfig`) and submits it through the
-dashboard's REST API with Ray's auth token (`cluster/ray_local.py`). The code must exist on the
+dashboard's REST API with Ray's auth token (`cluster/launch/ray_local.py`). The code must exist on the
 cluster: either specserve is installed on every node (ray_config.yaml's setup_commands do
 that), or pass `--working-dir` with a `local://` path on the nodes or a remote URI
 (`s3://...zip`, `gs://...zip`, `https://...zip`); a plain local folder is refused, because
@@ -53,7 +53,7 @@ def run(args) -> int:
     if args.dry_run:
         print(yaml.safe_dump(config, sort_keys=False))
         return 0
-    from cluster.ray_local import enable_token_auth
+    from cluster.launch.ray_local import enable_token_auth
 
     enable_token_auth()
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient

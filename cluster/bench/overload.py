@@ -238,7 +238,7 @@ def _local_family_app(family: str, num_cpus: int, kv_budget_mb: int):
 
     from ray import serve
 
-    from cluster import launch_up, ray_local
+    from cluster.launch import ray_local, up as launch_up
     from models.rendezvous import free_port
     from deployments.app import build_app
     from router.config import AppConfig
@@ -274,7 +274,7 @@ def run(args) -> int:
         model = args.model or httpx.get(url + "/v1/models", timeout=10, headers={
             "Authorization": f"Bearer {key}"}).json()["data"][0]["id"]
         try:
-            from cluster.ray_local import enable_token_auth
+            from cluster.launch.ray_local import enable_token_auth
 
             enable_token_auth()
             import ray

@@ -1,6 +1,6 @@
 """`specserve status`: tiers, replicas and load of a running specserve app.
 
-Connects to the running cluster as a driver (token auth handled by `cluster/ray_local.py`),
+Connects to the running cluster as a driver (token auth handled by `cluster/launch/ray_local.py`),
 reads Serve's application and replica states, and asks the ingress's `/health` for the live
 per-tier load (replicas reporting, running batch, waiting queue, KV headroom); `/health` shows
 that only to an admin key, taken from $SPECSERVE_ADMIN_KEY.
@@ -20,7 +20,7 @@ def run(args) -> int:
 
     import httpx
 
-    from cluster.ray_local import enable_token_auth
+    from cluster.launch.ray_local import enable_token_auth
 
     enable_token_auth()
     import ray

@@ -2,8 +2,8 @@
 
 Owns the sweep, the JSON/markdown/plot outputs, the done-when check (auto against the better of
 baseline and speculative at every load) and the article comparison. The physics lives in
-engine/cost_model.py, the decisions in router/policy.py, the event loop in cluster/simulator.py,
-the setups in cluster/scenarios.py.
+engine/cost_model.py, the decisions in router/policy.py, the event loop in cluster/sim/simulator.py,
+the setups in cluster/sim/scenarios.py.
 
 JSON: {"scenario", "settings", "results": [one row per section, load and policy], "single_user",
 "checks", "article"}. Each row carries `draft_placement` and `acceptance_mix` (its section).
@@ -19,8 +19,9 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from cluster.scenarios import SCENARIOS, Scenario, mix_named
-from cluster.simulator import POLICIES, build_replicas, simulate
+from cluster.sim.scenarios import SCENARIOS, Scenario, mix_named
+from cluster.sim.replica import build_replicas
+from cluster.sim.simulator import POLICIES, simulate
 from engine.cost_model import expected_tokens
 from engine.hardware import MODELS
 
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", type=Path, help="write the tables as markdown here")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (same seed, same result)")
     parser.add_argument("--quick", action="store_true", help="a few loads only")
-    from cluster.sim_local import add_arguments as local_arguments
+    from cluster.sim.local import add_arguments as local_arguments
 
     local_arguments(parser)          # --scenario local-cpu: this machine's profiled family
 
@@ -44,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for s in SCENARIOS.values():
             print(f"{s.name:14s} {s.description}")
-        print(f"{'local-cpu':14s} this machine's profiled engines of the served family (cluster/sim_local.py)")
+        print(f"{'local-cpu':14s} this machine's profiled engines of the served family (cluster/sim/local.py)")
         return 0
     if args.scenario == "local-cpu":
-        from cluster.sim_local import run_local
+        from cluster.sim.local import run_local
 
         return run_local(args)
     if args.scenario not in SCENARIOS:

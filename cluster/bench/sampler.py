@@ -82,7 +82,7 @@ def in_generation(engine, prompts: list[list[int]], temperature: float, k: int, 
 
 
 def run(args) -> int:
-    from cluster.bench_engine import _prompts
+    from cluster.bench.engine import _prompts
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 

@@ -1,7 +1,7 @@
 """`specserve up [--config FILE]`: the README's first command.
 
 Builds the demo family if the config needs it and it is missing, starts a local Ray cluster
-(token auth on, see `cluster/ray_local.py`), deploys the app, waits until every tier reports,
+(token auth on, see `cluster/launch/ray_local.py`), deploys the app, waits until every tier reports,
 prints the API, metrics and dashboard URLs with a one-time API key and an example request,
 then serves until Ctrl-C or SIGTERM. Stopping is graceful: the ingress stops admitting (new
 requests get 503 with Retry-After), the requests in flight run to their end for up to
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "local.yaml"
+DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "local.yaml"
 
 
 def add_arguments(parser) -> None:
@@ -155,7 +155,7 @@ Ctrl-C stops it.
 
 
 def run(args) -> int:
-    from cluster import ray_local
+    from cluster.launch import ray_local
     from router.config import InlineKey, load_config, uses_demo_family
     from router.keys import make_record
 

@@ -13,11 +13,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-CHILD = Path(__file__).with_name("bench_peer_vllm.py")
+CHILD = Path(__file__).with_name("peer_vllm.py")
 
 
 def run_peer(args, bench, prompts, batches) -> dict:
-    from cluster.bench_peer_vllm import env_for
+    from cluster.bench.peer_vllm import env_for
 
     if not args.peer_python:
         raise SystemExit("--peer vllm needs --peer-python (an interpreter that imports vllm)")

@@ -59,7 +59,7 @@ def render_table(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
-    from cluster.keys import database_url
+    from cluster.cli.keys import database_url
     from router.store import Database
 
     rows = report(Database(database_url(args)), args.since, args.until)

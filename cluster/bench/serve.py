@@ -1,10 +1,10 @@
 """`specserve bench serve`: the seed's experiment through HTTP on a running cluster.
 
 Drives the OpenAI API (streamed completions, a real API key, the pricing endpoints) with
-closed-loop users and open-loop Poisson arrivals, for each policy (`cluster/bench_client.py`
+closed-loop users and open-loop Poisson arrivals, for each policy (`cluster/bench/client.py`
 says how a policy is chosen through the API) and load, `--repeats` times with the policies'
 order rotated, each run a warm-up then a measured window. Writes JSON (per-repeat and pooled
-numbers, auto against the best fixed policy) and a PNG (`cluster/bench_plot.py`), and prints a
+numbers, auto against the best fixed policy) and a PNG (`cluster/bench/plot.py`), and prints a
 table. `--start-local FAMILY` starts a local Ray cluster with the app first (as `specserve up`
 does, with a fresh key of plan auto, which covers every endpoint); else `--url` and `--key`.
 """
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-PROMPTS_DIR = Path(__file__).parent / "prompts"
+PROMPTS_DIR = Path(__file__).parents[1] / "prompts"
 FIXED = ("standard", "premium", "always-adaptive")     # the fixed policies auto must match
 
 
@@ -69,7 +69,7 @@ def load_prompts(folder: str | Path, classes: list[str]) -> dict[str, list[str]]
 async def run_one(client, policy: str, load: tuple[str, float], workload, model: str, args,
                   rng: random.Random) -> tuple[list, float, float, dict]:
     """One run: warm-up, then the window; returns (records, window start, end, health peaks)."""
-    from cluster.bench_client import HealthSampler, closed_loop, poisson, send
+    from cluster.bench.client import HealthSampler, closed_loop, poisson, send
 
     records = []
 
@@ -96,8 +96,8 @@ async def bench(url: str, key: str, args, progress=True) -> dict:
     import httpx
     from tqdm import tqdm
 
-    from cluster.bench_client import POLICIES, Workload
-    from cluster.bench_stats import SLO, mean_ci95, summarize
+    from cluster.bench.client import POLICIES, Workload
+    from cluster.bench.stats import SLO, mean_ci95, summarize
 
     policies = _list(args.policies, str)
     unknown = set(policies) - set(POLICIES)
@@ -187,7 +187,7 @@ def run(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.start_local:
-        from cluster.bench_local import local_cluster
+        from cluster.bench.local import local_cluster
 
         with local_cluster(args.start_local, args.config, args.num_cpus) as (url, key, admin_key):
             args.admin_key = admin_key
@@ -205,7 +205,7 @@ def run(args) -> int:
                          "loadavg_at_end": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     json_path = out.with_suffix(".json")
     json_path.write_text(json.dumps(report, indent=1))
-    from cluster.bench_plot import plot, table
+    from cluster.bench.plot import plot, table
 
     print(table(report))
     print(f"\nJSON: {json_path}")

@@ -16,9 +16,9 @@ def local_cluster(family: str, config: str | None = None, num_cpus: int | None =
 
     from ray import serve
 
-    from cluster import ray_local
+    from cluster.launch import ray_local
     from models.rendezvous import free_port
-    from cluster.launch_up import DEFAULT_CONFIG, _wait_healthy
+    from cluster.launch.up import DEFAULT_CONFIG, _wait_healthy
     from deployments.app import build_app
     from router.config import InlineKey, load_config
     from router.keys import hash_key, make_record, new_key
