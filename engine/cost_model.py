@@ -150,8 +150,10 @@ class TableStepCost:
         return cls(TableCost(d["target"]), TableCost(d["draft"]) if d.get("draft") else None)
 
 
-def step_cost_from_dict(d: dict) -> "LinearStepCost | TableStepCost":
-    """Read back either measured cost model from its `to_dict()`."""
+def step_cost_from_dict(d: dict):
+    """Read back a measured or calibrated cost model from its `to_dict()`."""
+    if d.get("kind") == "calibrated":
+        return CalibratedCost(step_cost_from_dict(d["base"]), d["per_seq_s"])
     return TableStepCost.from_dict(d) if d.get("kind") == "table" else LinearStepCost.from_dict(d)
 
 
@@ -175,7 +177,8 @@ class CalibratedCost:
         return self.base.draft_s(num_seqs, num_tokens, context_tokens)
 
     def to_dict(self) -> dict:
-        return self.base.to_dict()
+        """JSON for reports (`specserve bench engine`); Ray carries the object itself."""
+        return {"kind": "calibrated", "base": self.base.to_dict(), "per_seq_s": self.per_seq_s}
 
 
 # ----------------------------------------------------------------------------- choosing k

@@ -54,6 +54,16 @@ def test_published_sizes():
     assert MODELS["Llama-3.2-1B"].param_count() == 1_235_814_400
 
 
+def test_calibrated_cost_adds_what_the_engine_learnt_and_round_trips():
+    from engine.cost_model import CalibratedCost, step_cost_from_dict
+
+    base = LinearStepCost(LinearCost(1e-2, 2e-4, 5e-4), LinearCost(1e-3, 1e-5, 2e-5))
+    cost = CalibratedCost(base, per_seq_s=3e-3)
+    assert cost.target_s(4, 8) == pytest.approx(base.target_s(4, 8) + 4 * 3e-3)
+    assert cost.draft_s(4, 4) == base.draft_s(4, 4)
+    assert step_cost_from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
 def test_linear_step_cost_round_trips_as_json():
     cost = LinearStepCost(LinearCost(1e-2, 2e-4, 5e-4, 1e-7), LinearCost(1e-3, 1e-5, 2e-5))
     again = LinearStepCost.from_dict(json.loads(json.dumps(cost.to_dict())))
