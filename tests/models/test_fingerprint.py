@@ -40,11 +40,13 @@ def test_digest_changes_with_weights_config_and_tokenizer(tiny_family, tmp_path)
 
 
 def test_replica_fingerprint_covers_numerics(tiny_family):
-    tier = {"model": str(tiny_family["target"]), "dtype": "float32", "device": "cpu"}
+    from router.config import TierModelConfig
+
+    tier = TierModelConfig(model=str(tiny_family["target"]), dtype="float32", device="cpu")
     fp = EngineServer.replica_fingerprint(tier)
-    assert fp == EngineServer.replica_fingerprint(dict(tier))
-    assert fp != EngineServer.replica_fingerprint({**tier, "dtype": "bfloat16"})
-    assert fp != EngineServer.replica_fingerprint({**tier, "tp_size": 2})
-    assert fp != EngineServer.replica_fingerprint({**tier, "model": str(tiny_family["small"])})
+    assert fp == EngineServer.replica_fingerprint(tier.model_copy())
+    assert fp != EngineServer.replica_fingerprint(tier.model_copy(update={"dtype": "bfloat16"}))
+    assert fp != EngineServer.replica_fingerprint(tier.model_copy(update={"tp_size": 2}))
+    assert fp != EngineServer.replica_fingerprint(tier.model_copy(update={"model": str(tiny_family["small"])}))
     # The draft is not part of it: the samplers are exact, a draft changes speed only.
-    assert fp == EngineServer.replica_fingerprint({**tier, "draft": str(tiny_family["draft"])})
+    assert fp == EngineServer.replica_fingerprint(tier.model_copy(update={"draft": str(tiny_family["draft"])}))
