@@ -157,6 +157,9 @@ def step_cost_from_dict(d: dict):
     return TableStepCost.from_dict(d) if d.get("kind") == "table" else LinearStepCost.from_dict(d)
 
 
+OVERHEAD_EWMA = 0.1    # weight of one decode step in CalibratedCost's per-sequence overhead
+
+
 @dataclass
 class CalibratedCost:
     """The step cost the engine runs on: a base model (profiled table, linear or roofline) plus
@@ -175,6 +178,13 @@ class CalibratedCost:
 
     def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
         return self.base.draft_s(num_seqs, num_tokens, context_tokens)
+
+    def calibrate(self, ks: Sequence[int], context_tokens: int, seconds: float) -> None:
+        """Learn from one decode step (every sequence fed one token, sequence i drafting ks[i])
+        that took `seconds`: what it cost beyond the base model, per sequence, as an EWMA.
+        Only costs above the base are learnt: a base that overprices stays overpriced."""
+        residual = max(0.0, seconds - step_s(ks, self.base, context_tokens)) / len(ks)
+        self.per_seq_s += OVERHEAD_EWMA * (residual - self.per_seq_s)
 
     def to_dict(self) -> dict:
         """JSON for reports (`specserve bench engine`); Ray carries the object itself."""

@@ -16,7 +16,7 @@ import torch
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
-from engine.cost_model import CalibratedCost, choose_k, step_s
+from engine.cost_model import CalibratedCost, choose_k
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError
 from engine.faults import Faults, FaultyRunner
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
-OVERHEAD_EWMA = 0.1    # weight of one decode step in the per-sequence overhead estimate
 
 
 class LLMEngine:
@@ -226,11 +225,7 @@ class LLMEngine:
         """
         if any(it.num_feed != 1 for it in items):      # decode steps only: prefill is noise here
             return
-        ks = [it.k for it in items]
-        context = sum(len(it.seq.token_ids) for it in items)
-        predicted = step_s(ks, self.cost.base, context)
-        residual = max(0.0, seconds - predicted) / len(items)
-        self.cost.per_seq_s += OVERHEAD_EWMA * (residual - self.cost.per_seq_s)
+        self.cost.calibrate([it.k for it in items], sum(len(it.seq.token_ids) for it in items), seconds)
 
     def _apply(self, r: StepResult) -> RequestOutput | None:
         seq, it = r.item.seq, r.item
