@@ -110,7 +110,8 @@ def _replica(engine, overhead_s: float):
     return ReplicaConfig(fitted_cost(engine, overhead_s), [float(stats.kv_budget_bytes)], [0.0],
                          [stats.target_kv_bytes_per_token], [stats.draft_kv_bytes_per_token],
                          max_num_seqs=engine.config.max_num_seqs,
-                         max_batched_tokens=engine.config.max_num_batched_tokens)
+                         max_batched_tokens=engine.config.max_num_batched_tokens,
+                         engine_downgrade=True)  # the engine's scheduler
 
 
 def build(family: str | None, overhead_s: float = 0.0):

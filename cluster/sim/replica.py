@@ -1,12 +1,19 @@
-"""The simulator's replica: a KV budget over its GPUs, a FIFO queue and a continuous batch.
+"""The simulator's replica: paged KV over its GPUs, a FIFO queue and a continuous batch.
 
-A replica admits requests FIFO while their KV reservation (prompt + max_tokens, target KV and,
-in speculative mode, draft KV, on every GPU) fits; it steps a continuous batch with chunked
-prefill; a step is up to k draft rounds then one target verify, timed by a `StepCostModel`, with
-k per step from `engine.cost_model.choose_k`; each draft token at output position p of a request
-is accepted iff that request's u_p < a (so every policy sees the same draws). It estimates
-acceptance as the engine does (`engine/acceptance.py`) and reports `EngineStats` as an engine
-does (`Replica.engine_stats`). `build_replicas` turns a scenario's Deployment into replicas.
+Memory is paged as the engine's scheduler pages it (`engine/scheduler.py`): a running sequence
+holds KV blocks for the tokens it has computed plus what the next step writes (its chunk, or
+1 + k); a request is admitted when its prompt fits beside one growth block per running
+sequence; when a step's blocks do not fit, speculating sequences drop to baseline first
+(draft KV freed; newest first) and then the newest sequences are preempted (all KV freed,
+prefilled again later with the tokens they had). A request whose prompt + max_tokens cannot
+fit the empty replica is refused.
+A step is up to k draft rounds then one target verify. Two cost models: `ReplicaConfig.cost`
+is the truth and times every step; the engine's belief (`believed`, default the truth) is a
+`CalibratedCost` that picks k (`engine.cost_model.choose_k`), calibrates on each decode step as
+`LLMEngine` does, and is what `engine_stats` reports to the router. Each draft token at output
+position p of a request is accepted iff that request's u_p < a (every policy sees the same
+draws). Acceptance is estimated as the engine does (`engine/acceptance.py`).
+`build_replicas` turns a scenario's Deployment into replica configs.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from cluster.sim.fitted import FITTED
 from cluster.sim.scenarios import Deployment, RequestSpec
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
@@ -24,11 +32,14 @@ from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from engine.outputs import EngineStats
 
 PRIOR_ACCEPTANCE = EngineConfig.prior_acceptance  # what an engine assumes before it measures
+BLOCK_TOKENS = EngineConfig.block_size
+SPEC_MIN_FREE = 0.10  # engine/scheduler.py SchedulerLimits.spec_min_free_fraction
+DRAFTING = ("speculative", "always-adaptive", "auto")  # policies whose target replica has a draft
 
 
 @dataclass
 class ReplicaConfig:
-    cost: StepCostModel
+    cost: StepCostModel  # the true step times
     gpu_bytes: list[float]  # [num_gpus] device memory
     fixed_bytes: list[float]  # [num_gpus] weights + activation reserve
     target_kv: list[float]  # [num_gpus] bytes per token of target KV
@@ -36,14 +47,30 @@ class ReplicaConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048
     fixed_k: int = 0  # > 0: every speculative sequence drafts exactly this (the naive policy)
-    engine_downgrade: bool = False  # free running sequences' draft KV when admission blocks
+    engine_downgrade: bool = False  # drop speculation before preempting, and admit as baseline
+    #   when headroom is low (the engine's scheduler); False: the naive fixed-k engine
+    believed: StepCostModel | None = None  # the engine's base cost model (None: the truth)
+    gpus: int = 0  # GPUs this replica occupies (for cost per token; 0: len(gpu_bytes))
+
+
+def _cost(dep: Deployment, model: str, tp: int, draft_tp: int):
+    """The true step times: fitted to published tables where we have them, else the roofline."""
+    fitted = FITTED.get((dep.gpu, model, tp, draft_tp))
+    if dep.step_times == "fitted" and fitted is not None:
+        return fitted, fitted.mismatched(dep.cost_mismatch)
+    if dep.step_times == "fitted":
+        raise ValueError(f"no fitted step times for {model} tp {tp} draft_tp {draft_tp} on {dep.gpu}")
+    gpu = GPUS[dep.gpu]
+    draft = MODELS[dep.draft] if draft_tp else None
+    return RooflineStepCost(gpu, MODELS[model], draft, tp, max(draft_tp, 1)), None
 
 
 def build_replicas(dep: Deployment, placement: str, policy: str, fixed_k: int
                    ) -> tuple[ReplicaConfig, ReplicaConfig | None]:
-    """The target replica (with its draft, if the policy can speculate) and the small replica."""
+    """The target replica (with its draft, if the policy can speculate) and one small replica
+    (the scenario runs `dep.small_replicas` of them)."""
     gpu, target = GPUS[dep.gpu], MODELS[dep.target]
-    draft = MODELS[dep.draft] if dep.draft and policy in ("speculative", "auto") else None
+    draft = MODELS[dep.draft] if dep.draft and policy in DRAFTING else None
     tp, reserve = dep.tp, dep.activation_reserve_gib * GiB
     draft_tp = tp if placement == "sharded" else 1
     fixed = [target.weight_bytes() / tp + reserve] * tp
@@ -53,32 +80,42 @@ def build_replicas(dep: Deployment, placement: str, policy: str, fixed_k: int
         fixed[g] += draft.weight_bytes() / draft_tp
         dkv[g] = draft.kv_bytes_per_token() / min(draft_tp, draft.num_kv_heads)
     common = dict(max_num_seqs=dep.max_num_seqs, max_batched_tokens=dep.max_batched_tokens)
-    tgt = ReplicaConfig(RooflineStepCost(gpu, target, draft, tp, draft_tp), [gpu.memory_bytes] * tp,
-                        fixed, tkv, dkv, fixed_k=fixed_k if policy == "speculative" else 0,
-                        engine_downgrade=policy == "auto", **common)
+    true, believed = _cost(dep, dep.target, tp, draft_tp if draft else 0)
+    naive = policy == "speculative" and fixed_k > 0
+    tgt = ReplicaConfig(true, [gpu.memory_bytes] * tp, fixed, tkv, dkv,
+                        fixed_k=fixed_k if naive else 0, engine_downgrade=not naive,
+                        believed=believed, **common)
     if not dep.small:
         return tgt, None
     small, stp = MODELS[dep.small], dep.small_tp
-    return tgt, ReplicaConfig(RooflineStepCost(gpu, small, None, stp), [gpu.memory_bytes] * stp,
-                              [small.weight_bytes() / stp + reserve] * stp,
+    true, believed = _cost(dep, dep.small, stp, 0)
+    return tgt, ReplicaConfig(true, [gpu.memory_bytes] * stp, [small.weight_bytes() / stp + reserve] * stp,
                               [small.kv_bytes_per_token() / min(stp, small.num_kv_heads)] * stp,
-                              [0.0] * stp, **common)
+                              [0.0] * stp, engine_downgrade=True, believed=believed, **common)
+
+
+def _blocks(tokens: int) -> int:
+    """Tokens rounded up to whole KV blocks."""
+    return -(-tokens // BLOCK_TOKENS) * BLOCK_TOKENS
 
 
 @dataclass(eq=False)
 class Seq:
-    """A request in a replica: its mode, progress and acceptance estimate."""
+    """A request in a replica: its mode, progress, KV held and acceptance estimate."""
 
     spec: RequestSpec
     arrival_s: float
     speculative: bool = False
     k_cap: int = 0
-    prefill_left: int = 0
+    prefill_left: int = 0  # tokens still to (re)compute before the next token
+    computed: int = 0  # tokens whose target KV is written
+    held: int = 0  # tokens of KV blocks held (target; and draft, if speculative)
     emitted: int = 0
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0  # steps ending on a rejection: accepted + rejected draft tokens were tried
     lag: int = 0  # emitted tokens the draft has not yet read (steps run with k = 0)
+    preempted: int = 0
     admit_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -102,69 +139,115 @@ class Seq:
 
     @property
     def context(self) -> int:
-        return self.spec.prompt_tokens - self.prefill_left + self.emitted
+        return self.computed
 
 
 class Replica:
-    """One replica's KV budget, queue and running batch; plans and applies steps."""
+    """One replica's paged KV, queue and running batch; plans and applies steps."""
 
     def __init__(self, cfg: ReplicaConfig):
         self.cfg = cfg
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
-        self.used = [0.0] * len(cfg.gpu_bytes)  # [num_gpus] KV bytes reserved
+        self.used = [0.0] * len(cfg.gpu_bytes)  # [num_gpus] KV bytes held
         self.peak_bytes = max(cfg.fixed_bytes)
         self.busy = False
         self.blocked = 0  # requests the last admission pass could not admit
+        self.preemptions = self.downgrades = 0
         self._k_cache: dict = {}
+        self.belief = CalibratedCost(cfg.believed or cfg.cost)
         self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self.drafted = self.accepted = 0  # draft tokens since start (the dashboard's rate)
 
-    def _need(self, seq: Seq, speculative: bool) -> list[float]:
-        """[num_gpus] bytes reserved for seq: KV for prompt + max_tokens (draft KV if speculative)."""
-        tokens = seq.spec.prompt_tokens + seq.spec.max_tokens
+    # -- memory -------------------------------------------------------------------------------
+    def _bytes(self, tokens: int, speculative: bool) -> list[float]:
         c = self.cfg
         return [tokens * (t + (d if speculative else 0.0)) for t, d in zip(c.target_kv, c.draft_kv)]
 
     def fits(self, seq: Seq, speculative: bool, empty: bool = False) -> bool:
-        c = self.cfg
-        return all(f + (0.0 if empty else u) + n <= m for f, u, n, m in
-                   zip(c.fixed_bytes, self.used, self._need(seq, speculative), c.gpu_bytes))
+        """Whether prompt + max_tokens fits (on the empty replica: whether it ever can)."""
+        c, need = self.cfg, self._bytes(_blocks(seq.spec.prompt_tokens + seq.spec.max_tokens), speculative)
+        return all(f + (0.0 if empty else u) + n <= m
+                   for f, u, n, m in zip(c.fixed_bytes, self.used, need, c.gpu_bytes))
 
-    def _charge(self, seq: Seq, sign: float, speculative: bool) -> None:
-        self.used = [u + sign * n for u, n in zip(self.used, self._need(seq, speculative))]
+    def _hold(self, seq: Seq, tokens: int, speculative: bool) -> None:
+        """seq now holds `tokens` of KV (draft KV too if speculative)."""
+        old, new = self._bytes(seq.held, seq.speculative), self._bytes(tokens, speculative)
+        self.used = [u - o + n for u, o, n in zip(self.used, old, new)]
+        seq.held, seq.speculative = tokens, speculative
         self.peak_bytes = max(self.peak_bytes, max(f + u for f, u in zip(self.cfg.fixed_bytes, self.used)))
 
+    def _free_bytes(self) -> list[float]:
+        c = self.cfg
+        return [m - f - u for m, f, u in zip(c.gpu_bytes, c.fixed_bytes, self.used)]
+
     def _downgrade(self, seq: Seq) -> None:
-        self._charge(seq, -1.0, True)
-        self._charge(seq, +1.0, False)
-        seq.speculative, seq.k_cap = False, 0
+        self._hold(seq, seq.held, False)
+        seq.k_cap, seq.lag = 0, 0
+        self.downgrades += 1
+
+    def _preempt(self, seq: Seq) -> None:
+        self._hold(seq, 0, seq.speculative)
+        self.running.remove(seq)
+        seq.prefill_left, seq.computed, seq.lag = seq.spec.prompt_tokens + seq.emitted, 0, 0
+        seq.preempted += 1
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
 
     def admit(self, now: float, timeout_s: float) -> list[Seq]:
-        """Admit FIFO while the head fits; return requests refused for waiting too long."""
-        refused = [s for s in self.waiting if now - s.arrival_s > timeout_s]
+        """Admit FIFO while the head's prompt fits; return requests refused for waiting too long
+        (never admitted; preempted ones wait as long as it takes)."""
+        refused = [s for s in self.waiting if s.admit_s is None and now - s.arrival_s > timeout_s]
         if refused:
-            self.waiting = deque(s for s in self.waiting if now - s.arrival_s <= timeout_s)
+            self.waiting = deque(s for s in self.waiting if s not in refused)
+        budget = [m - f for m, f in zip(self.cfg.gpu_bytes, self.cfg.fixed_bytes)]
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            if self.cfg.engine_downgrade and seq.speculative and not self.fits(seq, True):
-                seq.speculative, seq.k_cap, seq.tier = False, 0, "baseline"  # no new speculation
-                for victim in reversed(self.running):  # then free draft KV, newest first
-                    if self.fits(seq, False):
-                        break
-                    if victim.speculative:
-                        self._downgrade(victim)
-            if not self.fits(seq, seq.speculative):
+            tokens = _blocks(seq.prefill_left + 1)
+            reserve = self._bytes(BLOCK_TOKENS * len(self.running), False)
+            free = self._free_bytes()
+            if seq.speculative and self.cfg.engine_downgrade and any(
+                    fr - n < SPEC_MIN_FREE * b for fr, n, b in zip(free, self._bytes(tokens, True), budget)):
+                seq.speculative, seq.k_cap, seq.tier = False, 0, "baseline"  # admitted as baseline
+            if any(n > fr - r for n, fr, r in zip(self._bytes(tokens, seq.speculative), free, reserve)):
                 break
             self.waiting.popleft()
-            self._charge(seq, +1.0, seq.speculative)
-            seq.admit_s = now
+            self._hold(seq, tokens, seq.speculative)
+            if seq.admit_s is None:
+                seq.admit_s = now
             self.running.append(seq)
         self.blocked = len(self.waiting)
         return refused
 
+    # -- steps --------------------------------------------------------------------------------
     def plan_step(self) -> tuple[float, list[tuple[Seq, int]], list[tuple[Seq, int]]] | None:
-        """(seconds, [(decode seq, k)], [(prefill seq, chunk tokens)]) of the next step."""
+        """(true seconds, [(decode seq, k)], [(prefill seq, chunk tokens)]) of the next step,
+        after making its KV fit (dropping speculation, then preempting, newest first)."""
+        while True:
+            decode, ks, chunks = self._plan()
+            need = [(s, _blocks(s.computed + 1 + k)) for s, k in zip(decode, ks)]
+            need += [(s, _blocks(s.computed + c)) for s, c in chunks]
+            free = self._free_bytes()
+            extra = [0.0] * len(free)
+            for s, t in need:
+                if t > s.held:
+                    extra = [e + b for e, b in zip(extra, self._bytes(t - s.held, s.speculative))]
+            if all(e <= fr for e, fr in zip(extra, free)) or len(self.running) <= 1:
+                break
+            victims = sorted(self.running, key=lambda s: -s.arrival_s)
+            spec = [s for s in victims if s.speculative] if self.cfg.engine_downgrade else []
+            if spec:
+                self._downgrade(spec[0])
+            else:
+                self._preempt(victims[0])
+        for s, t in need:
+            if t > s.held:
+                self._hold(s, t, s.speculative)
+        if not decode and not chunks:
+            return None
+        return self._seconds(decode, ks, chunks), list(zip(decode, ks)), chunks
+
+    def _plan(self):
         decode = [s for s in self.running if s.prefill_left == 0]
         budget = self.cfg.max_batched_tokens - len(decode)
         chunks = []
@@ -172,11 +255,13 @@ class Replica:
             if s.prefill_left and budget > 0:
                 chunks.append((s, min(s.prefill_left, budget)))
                 budget -= chunks[-1][1]
-        if not decode and not chunks:
-            return None
+        ctx = sum(s.context for s in self.running)
+        ks = self._choose_ks(decode, ctx, sum(c for _, c in chunks)) if decode else []
+        return decode, ks, chunks
+
+    def _seconds(self, decode, ks, chunks) -> float:
         ctx = sum(s.context for s in self.running)
         extra = sum(c for _, c in chunks)
-        ks = self._choose_ks(decode, ctx, extra)
         cost = self.cfg.cost
         seconds = cost.target_s(len(decode) + len(chunks), len(decode) + sum(ks) + extra, ctx)
         draft_prefill = sum(c for s, c in chunks if s.speculative)
@@ -188,7 +273,7 @@ class Replica:
             tokens = n_j + (draft_prefill + catch_up if first else 0)
             seqs = n_j + (n_prefill if first else 0)
             seconds += cost.draft_s(seqs, tokens, ctx * seqs // max(len(self.running), 1))
-        return seconds, list(zip(decode, ks)), chunks
+        return seconds
 
     def _choose_ks(self, decode: list[Seq], ctx: int, extra: int) -> list[int]:
         caps = [min(s.k_cap, s.spec.max_tokens - s.emitted - 1) if s.speculative else 0 for s in decode]
@@ -199,16 +284,21 @@ class Replica:
         a = self.acceptance.value
         accs = [round(s.estimate(a), 2) for s in decode]  # estimates to a 0.01 grid (cache key)
         ctx_b, extra_b = ctx // 8192 * 8192 + 4096, extra // 256 * 256
-        key = (frozenset(Counter(zip(accs, caps)).items()), ctx_b, extra_b)
+        per_seq = round(self.belief.per_seq_s, 5)  # the calibrated overhead to a 10 us grid
+        key = (frozenset(Counter(zip(accs, caps)).items()), ctx_b, extra_b, per_seq)
         by_group = self._k_cache.get(key)
         if by_group is None:
-            by_group = dict(zip(zip(accs, caps), choose_k(accs, caps, self.cfg.cost, ctx_b, extra_b)))
+            belief = CalibratedCost(self.belief.base, per_seq)
+            by_group = dict(zip(zip(accs, caps), choose_k(accs, caps, belief, ctx_b, extra_b)))
             self._k_cache[key] = by_group
         return [by_group[g] for g in zip(accs, caps)]
 
-    def apply_step(self, now: float, decode: list[tuple[Seq, int]], chunks: list[tuple[Seq, int]]
-                   ) -> tuple[list[Seq], int]:
-        """Emit the step's tokens at `now`; return the finished sequences and tokens emitted."""
+    def apply_step(self, now: float, seconds: float, decode: list[tuple[Seq, int]],
+                   chunks: list[tuple[Seq, int]]) -> tuple[list[Seq], int]:
+        """Emit the step's tokens at `now` (the step took `seconds`); return the finished
+        sequences and the tokens emitted."""
+        if decode and not chunks:  # the engine calibrates its belief on decode steps
+            self.belief.calibrate([k for _, k in decode], sum(s.context for s, _ in decode), seconds)
         emitted = 0
         for s, k in decode:
             acc = 0
@@ -216,6 +306,7 @@ class Replica:
                 acc += 1
             n = min(acc + 1, s.spec.output_tokens - s.emitted)
             s.emitted += n
+            s.computed += n
             emitted += n
             s.drafted += k
             s.accepted += acc
@@ -226,15 +317,21 @@ class Replica:
             s.lag = 0 if k else s.lag + (1 if s.speculative else 0)
         for s, c in chunks:
             s.prefill_left -= c
-            if not s.prefill_left:
-                s.emitted, s.first_token_s = 1, now
+            s.computed += c
+            if not s.prefill_left:  # the prompt (or, after a preemption, everything) is in
+                s.emitted += 1
                 emitted += 1
+                if s.first_token_s is None:
+                    s.first_token_s = now
         finished = [s for s in self.running if s.emitted >= s.spec.output_tokens]
         for s in finished:
             s.finish_s = now
-            self._charge(s, -1.0, s.speculative)
+            self._hold(s, 0, s.speculative)
         if finished:
             self.running = [s for s in self.running if s.finish_s is None]
+        for s in self.running:  # rejected drafts' slots go back (engine/scheduler.py trim)
+            if s.held > _blocks(s.computed + 1):
+                self._hold(s, _blocks(s.computed + 1), s.speculative)
         return finished, emitted
 
     def engine_stats(self, now: float, max_context: int) -> EngineStats:
@@ -243,8 +340,7 @@ class Replica:
         c = self.cfg
         g = min(range(len(self.used)), key=lambda i: (c.gpu_bytes[i] - c.fixed_bytes[i] - self.used[i])
                 / (c.target_kv[i] + c.draft_kv[i]))
-        draft_used = sum(c.draft_kv[g] * (s.spec.prompt_tokens + s.spec.max_tokens)
-                         for s in self.running if s.speculative)
+        draft_used = sum(c.draft_kv[g] * s.held for s in self.running if s.speculative)
         a = self.acceptance.value
         return EngineStats(
             num_running=len(self.running), num_waiting=min(self.blocked, len(self.waiting)),
@@ -253,7 +349,8 @@ class Replica:
             kv_used_target_bytes=int(self.used[g] - draft_used), kv_used_draft_bytes=int(draft_used),
             target_kv_bytes_per_token=c.target_kv[g], draft_kv_bytes_per_token=c.draft_kv[g],
             context_tokens=sum(s.context for s in self.running), max_model_len=max_context,
-            cost=CalibratedCost(c.cost), acceptance_rate=self.accepted / self.drafted if self.drafted else None,
+            cost=CalibratedCost(self.belief.base, self.belief.per_seq_s),
+            acceptance_rate=self.accepted / self.drafted if self.drafted else None,
             token_acceptance=a if self.drafted else None,
             speculating_acceptance=tuple(s.estimate(a) for s in self.running if s.speculative),
             time=now)

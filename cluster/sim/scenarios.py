@@ -73,11 +73,18 @@ class Deployment:
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048  # chunked prefill budget per step
     max_context: int = 4096  # model context window: prompt + max_tokens
+    small_replicas: int = 1  # small-tier replicas (small_tp GPUs each)
+    step_times: str = "roofline"  # "fitted": cluster/sim/fitted.py (published tables), or the
+    #   datasheet roofline (engine/hardware.py)
+    cost_mismatch: float = 0.0  # the engines believe speculation costs (1 + m) x what it does
+    gpu_hour_usd: float = 2.0  # price of one GPU-hour (cost per million output tokens)
 
 
 @dataclass(frozen=True)
 class Workload:
-    closed_loop: bool = True  # True: loads are concurrent users; False: Poisson QPS
+    closed_loop: bool = True  # True: loads are concurrent users; False: open-loop QPS
+    arrival_cv: float = 1.0  # open loop: coefficient of variation of the gaps between arrivals
+    #   (1: Poisson; > 1: bursty, gamma-distributed gaps with shape 1 / cv^2)
     loads: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64)
     quick_loads: tuple[float, ...] = (1, 8, 32, 64)
     prompt_median: int = 400  # tokens, lognormal
@@ -91,6 +98,9 @@ class Workload:
     plan: str = "auto"
     allow_downgrade: bool = False
     queue_timeout_s: float = 60.0  # a request waiting longer is refused
+    slo_ttft_s: float = 2.0  # SLO: time to first token at most this ...
+    slo_tpot_s: float = 0.1  # ... and time per output token after it at most this
+    open_loads: tuple[float, ...] = ()  # QPS for --arrivals poisson | bursty (closed-loop scenarios)
 
 
 @dataclass(frozen=True)
@@ -137,9 +147,12 @@ SCENARIOS: dict[str, Scenario] = {
     "seed-4xa100": Scenario(
         "seed-4xa100",
         "the article's setup: Llama-2-70B TP4 on 4x A100-80GB, Llama-2-7B draft colocated "
-        "(sharded over the four GPUs, or whole on GPU 0), Llama-3-8B small tier on a fifth A100",
-        Deployment("A100-80GB", "Llama-2-70B", 4, "Llama-2-7B", small="Llama-3-8B"),
-        Workload(loads=USERS_1_64, quick_loads=(1, 8, 22, 48, 64)),
+        "(sharded over the four GPUs, or whole on GPU 0); step times fitted to published A100 "
+        "tables (cluster/sim/fitted.py); the small tier is four Llama-3-8B replicas on the same "
+        "four A100s",
+        Deployment("A100-80GB", "Llama-2-70B", 4, "Llama-2-7B", small="Llama-3-8B", small_replicas=4,
+                   step_times="fitted"),
+        Workload(loads=USERS_1_64, quick_loads=(1, 8, 22, 48, 64), open_loads=(0.5, 1, 2, 3, 4)),
         (Section("sharded", "article"), Section("whole", "article")),
         article=ARTICLE_CLAIMS,
     ),

@@ -2,7 +2,10 @@
 
 The replicas are `cluster/sim/replica.py`. Routing goes through the live router's own path:
 each replica's `EngineStats` into a `router.observer.Observer`, its `ClusterStats` into
-`router.policy.choose_tier` (policy "auto"), or a fixed rule (baseline, speculative, small).
+`router.policy.choose_tier` (policy "auto"; "always-adaptive" is the same call with
+`speculation: on`, as the API sends it), or a fixed rule (baseline, speculative at fixed k,
+small over the small replicas, least loaded first). Arrivals: closed-loop users, or open loop
+at a rate with Poisson (cv 1) or bursty (cv > 1, gamma) gaps.
 Knows nothing of the CLI, plots, or the presets in scenarios.py beyond the dataclasses it is
 handed.
 """
@@ -23,7 +26,7 @@ from engine.hardware import GiB
 from router.observer import Observer, RequestOutcome
 from router.policy import PolicyConfig, PolicyState, TierRequest, choose_tier
 
-POLICIES = ("baseline", "speculative", "small", "auto")
+POLICIES = ("baseline", "speculative", "always-adaptive", "small", "auto")
 
 
 @dataclass
@@ -34,19 +37,39 @@ class RunResult:
     window_requests: int
     peak_memory_gib: float
     reasons: dict[str, int]
+    gpus: int = 1  # GPUs the policy's replicas occupy
+    gpu_hour_usd: float = 0.0
+    slo_ttft_s: float = float("inf")
+    slo_tpot_s: float = float("inf")
+    preemptions: int = 0
+    downgrades: int = 0
+    calibrated_per_seq_s: float = 0.0  # what the serving engine learnt beyond its base model
 
     def row(self) -> dict:
         done = [s for s in self.seqs if s.finish_s is not None]
         e2e = sorted(s.finish_s - s.arrival_s for s in done)
-        tpot = sorted((s.finish_s - s.first_token_s) / (s.spec.output_tokens - 1)
-                      for s in done if s.spec.output_tokens > 1)
+        tpot_of = {id(s): (s.finish_s - s.first_token_s) / (s.spec.output_tokens - 1)
+                   if s.spec.output_tokens > 1 else 0.0 for s in done}
+        tpot = sorted(tpot_of[id(s)] for s in done if s.spec.output_tokens > 1)
+        ttft = sorted(s.first_token_s - s.arrival_s for s in done)
         queue = sorted(s.admit_s - s.arrival_s for s in done)
         decode_s = sum(s.finish_s - s.first_token_s for s in done)
+        met = [s for s in done if s.first_token_s - s.arrival_s <= self.slo_ttft_s
+               and tpot_of[id(s)] <= self.slo_tpot_s]
+        throughput = self.window_tokens / self.window_s
+        usd_s = self.gpus * self.gpu_hour_usd / 3600.0
         return {
-            "throughput_tok_s": self.window_tokens / self.window_s,
+            "throughput_tok_s": throughput,
             "requests_s": self.window_requests / self.window_s,
             "p50_latency_s": _pct(e2e, 50), "p95_latency_s": _pct(e2e, 95),
+            "p50_ttft_s": _pct(ttft, 50), "p95_ttft_s": _pct(ttft, 95),
             "p50_per_token_s": _pct(tpot, 50), "p95_per_token_s": _pct(tpot, 95),
+            "slo_attainment": len(met) / len(self.seqs),  # refused requests count as misses
+            "goodput_tok_s": throughput * sum(s.spec.output_tokens for s in met)
+                             / max(sum(s.spec.output_tokens for s in self.seqs), 1),
+            "usd_per_m_tokens": usd_s / throughput * 1e6 if throughput else float("inf"),
+            "gpus": self.gpus, "preemptions": self.preemptions, "spec_downgrades": self.downgrades,
+            "calibrated_per_seq_ms": self.calibrated_per_seq_s * 1e3,
             "decode_tok_s_per_seq": (sum(s.spec.output_tokens - 1 for s in done) / decode_s
                                      if decode_s else 0.0),
             "p50_queue_s": _pct(queue, 50), "p95_queue_s": _pct(queue, 95),
@@ -66,8 +89,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 def simulate(target: ReplicaConfig, small: ReplicaConfig | None, policy: str, workload: Workload,
              mix: AcceptanceMix, load: float, seed: int, max_context: int = 4096,
-             config: PolicyConfig = PolicyConfig()) -> RunResult:
-    """One policy at one load: closed loop (load = users) or open loop (load = Poisson QPS).
+             config: PolicyConfig = PolicyConfig(), small_replicas: int = 1,
+             gpu_hour_usd: float = 0.0) -> RunResult:
+    """One policy at one load: closed loop (load = users) or open loop (load = QPS).
 
     Steady state: the first arrivals (closed loop: two per user) are not measured; the next
     `workload.requests` (at least eight per user) are; traffic goes on until every measured
@@ -80,14 +104,24 @@ def simulate(target: ReplicaConfig, small: ReplicaConfig | None, policy: str, wo
         raise ValueError("policy 'small' needs a small replica")
     if load <= 0:
         raise ValueError(f"load must be positive, got {load}")
-    return _Run(target, small, policy, workload, mix, load, seed, max_context, config).result()
+    run = _Run(target, small, policy, workload, mix, load, seed, max_context, config, small_replicas)
+    result = run.result()
+    serving = run.smalls if policy == "small" else [run.target]
+    result.gpus = sum(r.cfg.gpus or len(r.cfg.gpu_bytes) for r in serving)
+    result.gpu_hour_usd, result.slo_ttft_s, result.slo_tpot_s = (
+        gpu_hour_usd, workload.slo_ttft_s, workload.slo_tpot_s)
+    result.preemptions = sum(r.preemptions for r in serving)
+    result.downgrades = sum(r.downgrades for r in serving)
+    result.calibrated_per_seq_s = serving[0].belief.per_seq_s
+    return result
 
 
 class _Run:
     """One simulation: the event heap, the routing, and what the live router would track."""
 
-    def __init__(self, target, small, policy, workload, mix, load, seed, max_context, config):
-        self.replicas = {"target": Replica(target), "small": Replica(small) if small else None}
+    def __init__(self, target, small, policy, workload, mix, load, seed, max_context, config, small_replicas):
+        self.target = Replica(target)
+        self.smalls = [Replica(small) for _ in range(small_replicas)] if small else []
         self.policy, self.workload, self.mix, self.load = policy, workload, mix, load
         self.seed, self.max_context, self.config = seed, max_context, config
         users = int(load) if workload.closed_loop else 0
@@ -102,6 +136,8 @@ class _Run:
         self.reasons: Counter = Counter()
         # the router's view, through the live router's own observer
         self.observer = Observer(config.default_acceptance, ("target", "small") if small else ("target",))
+        self.ids = {id(self.target): ("target", "target")}
+        self.ids.update({id(r): ("small", f"small{i}") for i, r in enumerate(self.smalls)})
         self.state = PolicyState()
         self.poisson = random.Random(f"{seed}:arrivals:{load}")
         if workload.closed_loop:
@@ -109,30 +145,42 @@ class _Run:
                 self.arrive_later(random.Random(f"{seed}:start:{user}").uniform(0.0, workload.start_spread_s),
                                   user, 0)
         else:
-            self.arrive_later(self.poisson.expovariate(load), 0, 0)
+            self.arrive_later(self.gap(), 0, 0)
+
+    def gap(self) -> float:
+        """Open loop: the time to the next arrival (mean 1 / load; cv 1: exponential)."""
+        cv = self.workload.arrival_cv
+        if cv == 1.0:
+            return self.poisson.expovariate(self.load)
+        shape = 1.0 / cv ** 2
+        return self.poisson.gammavariate(shape, 1.0 / (shape * self.load))
 
     def arrive_later(self, at: float, user: int, index: int) -> None:
         spec = make_request(self.workload, self.mix, self.seed, user, index, self.max_context)
         heapq.heappush(self.events, (at + spec.think_s, next(self.order), "arrive", spec))
 
+    def least_loaded_small(self) -> Replica:
+        return min(self.smalls, key=lambda r: len(r.running) + len(r.waiting))
+
     def route(self, seq: Seq) -> Replica:
         if self.policy in ("baseline", "speculative"):
             seq.tier = seq.reason = self.policy
-            seq.speculative, seq.k_cap = self.policy == "speculative", self.replicas["target"].cfg.fixed_k
-            return self.replicas["target"]
+            seq.speculative, seq.k_cap = self.policy == "speculative", self.target.cfg.fixed_k
+            return self.target
         if self.policy == "small":
             seq.tier = seq.reason = "small"
-            return self.replicas["small"]
-        for kind, replica in self.replicas.items():
-            if replica is not None:
-                self.observer.report(kind, replica.engine_stats(seq.arrival_s, self.max_context), kind)
-        req = TierRequest(self.workload.plan, "auto", self.workload.allow_downgrade, seq.spec.domain,
+            return self.least_loaded_small()
+        for replica in [self.target, *self.smalls]:
+            kind, rid = self.ids[id(replica)]
+            self.observer.report(rid, replica.engine_stats(seq.arrival_s, self.max_context), kind)
+        speculation = "on" if self.policy == "always-adaptive" else "auto"
+        req = TierRequest(self.workload.plan, speculation, self.workload.allow_downgrade, seq.spec.domain,
                           seq.spec.prompt_tokens, seq.spec.max_tokens)
         decision = choose_tier(req, self.observer.cluster_stats(), self.state, self.config)
         self.state = decision.state
         seq.tier, seq.reason, seq.k_cap = decision.tier, decision.reason, decision.k_max
         seq.speculative = decision.tier == "speculative"
-        return self.replicas["small" if decision.tier == "small" and self.replicas["small"] else "target"]
+        return self.least_loaded_small() if decision.tier == "small" and self.smalls else self.target
 
     def done(self, seq: Seq, now: float) -> None:
         """A request finished or was refused: record it, and its user sends the next one."""
@@ -158,8 +206,8 @@ class _Run:
         while self.events and (self.unfinished or len(self.seqs) < self.measured):
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == "step":
-                replica, (_, decode, chunks) = payload
-                finished, tokens = replica.apply_step(now, decode, chunks)
+                replica, (seconds, decode, chunks) = payload
+                finished, tokens = replica.apply_step(now, seconds, decode, chunks)
                 self.step_log.append((now, self.step_log[-1][1] + tokens))
                 for seq in finished:
                     self.done(seq, now)
@@ -169,7 +217,7 @@ class _Run:
             seq.measured = self.warm <= self.arrivals < self.warm + self.measured
             self.arrivals += 1
             if not self.workload.closed_loop:
-                self.arrive_later(now + self.poisson.expovariate(self.load), 0, self.arrivals)
+                self.arrive_later(now + self.gap(), 0, self.arrivals)
             replica = self.route(seq)
             if seq.measured:
                 self.seqs.append(seq)
@@ -187,5 +235,5 @@ class _Run:
                   - self.step_log[bisect.bisect_right(times, t0) - 1][1])
         self.finish_log.sort()
         completions = bisect.bisect_right(self.finish_log, t1) - bisect.bisect_right(self.finish_log, t0)
-        peak = self.replicas["small" if self.policy == "small" else "target"].peak_bytes
+        peak = max(r.peak_bytes for r in self.smalls) if self.policy == "small" else self.target.peak_bytes
         return RunResult(self.seqs, max(t1 - t0, 1e-9), tokens, completions, peak / GiB, dict(self.reasons))

@@ -56,17 +56,27 @@ def test_requests_are_the_same_under_every_policy_and_load():
     assert make_request(w, mix, 3, 5, 2, 4096) != make_request(w, mix, 3, 5, 3, 4096)
 
 
-def test_a_request_that_does_not_fit_waits_and_memory_never_overflows():
+def test_paged_kv_admits_what_fits_now_and_preempts_when_it_runs_out():
     w = Workload(prompt_median=16, prompt_sigma=0.0, output_median=40, output_sigma=0.0, max_tokens=64,
                  requests=30)
-    one_fits = 80 * 1000.0 * 1.5  # KV for one request (16 + 64 tokens), not two
-    cfg = replica(LINEAR, draft=False, memory=one_fits)
-    run = simulate(cfg, None, "baseline", w, fixed_mix(0.5), 3, seed=0)
+    # 200 tokens of KV: a reservation of prompt + max_tokens (80) would admit two at a time; pages
+    # (16 + 40 tokens, 64 in blocks) fit three, so three users never wait and nothing is preempted.
+    roomy = 200 * 1000.0
+    run = simulate(replica(LINEAR, draft=False, memory=roomy), None, "baseline", w, fixed_mix(0.5), 3, seed=0)
     row = run.row()
-    assert row["refused"] == 0 and row["completed"] == 30
-    assert row["p95_queue_s"] > 0.5  # others waited for memory
-    assert run.peak_memory_gib * GiB <= one_fits
-    too_small = replica(LINEAR, draft=False, memory=50 * 1000.0)
+    assert row["completed"] == 30 and row["preemptions"] == 0
+    assert row["p95_queue_s"] <= 0.021  # at most the step in flight (20 ms), never a whole request
+    assert run.peak_memory_gib * GiB <= roomy
+    # 150 tokens: three admitted prompts (32 tokens each in blocks, plus a growth block per
+    # running request) outgrow it; the newest are preempted and recomputed, every request still
+    # completes with every token, and memory never overflows.
+    tight = 150 * 1000.0
+    run = simulate(replica(LINEAR, draft=False, memory=tight), None, "baseline", w, fixed_mix(0.5), 3, seed=0)
+    row = run.row()
+    assert row["refused"] == 0 and row["completed"] == 30 and row["preemptions"] > 0
+    assert all(s.emitted == 40 for s in run.seqs)
+    assert run.peak_memory_gib * GiB <= tight
+    too_small = replica(LINEAR, draft=False, memory=50 * 1000.0)  # prompt + max_tokens never fits
     assert simulate(too_small, None, "baseline", w, fixed_mix(0.5), 1, seed=0).row()["refused"] == 30
 
 
@@ -122,6 +132,10 @@ def test_check_rule():
     assert cli.check(rows(118, 9.1), True)["pass"]
     assert not cli.check(rows(117, 9.1), True)["pass"]  # < 0.98 x 120
     assert not cli.check(rows(125, 9.2), True)["pass"]  # > 1.02 x 9.0
+    adaptive = {"policy": "always-adaptive", "users": 8, "draft_placement": "sharded",
+                "acceptance_mix": "article", "throughput_tok_s": 130, "p95_latency_s": 8.5}
+    assert not cli.check(rows(125, 8.6) + [adaptive], True)["pass"]  # < 0.98 x 130
+    assert cli.check(rows(128, 8.6) + [adaptive], True)["loads"][0]["best_fixed"] == "always-adaptive"
 
 
 def test_cli_lists_and_rejects_unknown(capsys):

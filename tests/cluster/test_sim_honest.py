@@ -1,0 +1,114 @@
+"""The honest simulator: fitted true step times, the engine's belief kept apart from them,
+arrivals, SLO / goodput / cost, the small tier on the same GPUs, always-adaptive."""
+
+import statistics
+
+import pytest
+
+from cluster.sim.fitted import FITTED
+from cluster.sim.replica import ReplicaConfig
+from cluster.sim.scenarios import Workload, fixed_mix
+from cluster.sim.simulator import simulate
+from engine.cost_model import LinearCost, LinearStepCost
+
+LINEAR = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))  # c = 0.15
+LONG = Workload(prompt_median=16, prompt_sigma=0.0, output_median=600, output_sigma=0.0,
+                max_tokens=1024, requests=12)
+
+
+def replica(cost, draft=True, **kw) -> ReplicaConfig:
+    return ReplicaConfig(cost, [1e12], [0.0], [1000.0], [1000.0 if draft else 0.0], **kw)
+
+
+def test_fitted_step_times_reproduce_the_published_points():
+    sharded = FITTED[("A100-80GB", "Llama-2-70B", 4, 4)]
+    whole = FITTED[("A100-80GB", "Llama-2-70B", 4, 1)]
+    ms = pytest.approx
+    assert sharded.target_s(1, 1, 128) * 1e3 == ms(29.0, abs=0.3)  # lmdeploy, batch 1 decode
+    assert sharded.target_s(1, 128, 0) * 1e3 == ms(47.0, abs=0.5)  # TensorRT-LLM 0.5, prefill 128
+    assert sharded.target_s(64, 64, 64 * 128) * 1e3 == ms(43.0, abs=0.5)  # lmdeploy, batch 64
+    assert sharded.target_s(64, 64, 64 * 2048) * 1e3 == ms(55.0, abs=0.5)
+    c = sharded.draft_s(1, 1, 128) / sharded.target_s(1, 1, 128)
+    assert c == ms(0.22, abs=0.01)
+    assert whole.draft_s(1, 1, 128) / whole.target_s(1, 1, 128) == ms(0.33, abs=0.02)
+    assert sharded.draft_s(1, 1, 0) == sharded.draft_floor_s  # the latency floor holds at batch 1
+
+
+def test_a_mismatch_scales_what_speculation_costs_and_nothing_else():
+    true = FITTED[("A100-80GB", "Llama-2-70B", 4, 4)]
+    dear, cheap = true.mismatched(0.3), true.mismatched(-0.3)
+    assert true.mismatched(0.0) is true
+    for n, t, ctx in ((1, 1, 128), (64, 64, 8192), (32, 160, 40000)):
+        assert dear.draft_s(n, t, ctx) == pytest.approx(1.3 * true.draft_s(n, t, ctx))
+        assert cheap.draft_s(n, t, ctx) == pytest.approx(0.7 * true.draft_s(n, t, ctx))
+    # the verify's extra tokens cost 1.3x; a step without them costs what it did, bar that term
+    extra = lambda m: m.target_s(8, 40, 4000) - m.target_s(8, 8, 4000)  # noqa: E731
+    assert extra(dear) == pytest.approx(1.3 * extra(true))
+    assert dear.target.fixed_s == true.target.fixed_s and dear.target.per_seq_s == true.target.per_seq_s
+
+
+def test_the_engine_picks_k_with_its_belief_and_steps_take_true_time():
+    mix = fixed_mix(0.75)
+    base = simulate(replica(LINEAR, draft=False), None, "baseline", LONG, mix, 1, seed=0).row()
+    honest = simulate(replica(LINEAR), None, "always-adaptive", LONG, mix, 1, seed=0).row()
+    assert honest["reasons"] == {"speculation_on": 12} and honest["throughput_tok_s"] > 1.5 * base["throughput_tok_s"]
+    # believing the draft costs 10x the target: the engine never drafts, so always-adaptive runs
+    # at the baseline's speed, which is still timed by the true model
+    pessimist = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(200e-3, 0.0, 0.0))
+    doubting = simulate(replica(LINEAR, believed=pessimist), None, "always-adaptive", LONG, mix, 1, seed=0).row()
+    assert doubting["acceptance_rate"] == 0 and doubting["speculative_fraction"] == 1.0
+    assert doubting["throughput_tok_s"] == pytest.approx(base["throughput_tok_s"], rel=0.02)
+    # a belief that the target is slow changes nothing: time is the truth's
+    slow = LinearStepCost(LinearCost(2.0, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))
+    assert simulate(replica(LINEAR, draft=False, believed=slow), None, "baseline", LONG, mix, 1,
+                    seed=0).row()["throughput_tok_s"] == pytest.approx(base["throughput_tok_s"])
+
+
+def test_the_simulated_engine_calibrates_its_belief_as_the_engine_does():
+    true = LinearStepCost(LinearCost(20e-3, 1e-3, 0.0), LinearCost(3e-3, 0.0, 0.0))  # +1 ms a sequence
+    row = simulate(replica(true, draft=False, believed=LINEAR), None, "baseline", LONG, fixed_mix(0.5), 4,
+                   seed=0).row()
+    assert row["calibrated_per_seq_ms"] == pytest.approx(1.0, rel=0.01)
+    over = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))
+    believed_dear = LinearStepCost(LinearCost(30e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))
+    row = simulate(replica(over, draft=False, believed=believed_dear), None, "baseline", LONG,
+                   fixed_mix(0.5), 4, seed=0).row()
+    assert row["calibrated_per_seq_ms"] == 0.0  # only costs above the base are learnt
+
+
+@pytest.mark.parametrize("cv", [1.0, 3.0])
+def test_open_loop_arrivals_have_the_rate_and_burstiness_asked_for(cv):
+    w = Workload(closed_loop=False, arrival_cv=cv, prompt_median=16, output_median=8, output_sigma=0.0,
+                 requests=2000)
+    run = simulate(replica(LINEAR, draft=False), None, "baseline", w, fixed_mix(0.5), 4.0, seed=0)
+    t = [s.arrival_s for s in run.seqs]
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    mean = statistics.fmean(gaps)
+    assert 1 / mean == pytest.approx(4.0, rel=0.15)
+    assert statistics.pstdev(gaps) / mean == pytest.approx(cv, rel=0.2)
+
+
+@pytest.mark.parametrize("tpot_slo,attained", [(0.0199, 0.0), (0.0201, 1.0)])
+def test_ttft_slo_goodput_and_cost_per_million_tokens(tpot_slo, attained):
+    w = Workload(prompt_median=16, prompt_sigma=0.0, output_median=600, output_sigma=0.0, max_tokens=1024,
+                 requests=6, slo_ttft_s=0.05, slo_tpot_s=tpot_slo)
+    row = simulate(replica(LINEAR, draft=False), None, "baseline", w, fixed_mix(0.5), 1, seed=0,
+                   gpu_hour_usd=3.6).row()
+    assert row["p50_ttft_s"] == pytest.approx(0.02) and row["p95_per_token_s"] == pytest.approx(0.02)
+    assert row["slo_attainment"] == attained
+    assert row["goodput_tok_s"] == pytest.approx(attained * row["throughput_tok_s"])
+    assert row["throughput_tok_s"] == pytest.approx(50.0, rel=0.01)  # one token per 20 ms step
+    assert row["usd_per_m_tokens"] == pytest.approx(3.6 / 3600 / row["throughput_tok_s"] * 1e6)  # ~20
+
+
+def test_the_small_tier_spreads_over_its_replicas_and_pays_for_their_gpus():
+    per_seq = LinearStepCost(LinearCost(5e-3, 5e-3, 0.0), LinearCost(1e-3, 0.0, 0.0))
+    w = Workload(prompt_median=16, prompt_sigma=0.0, output_median=64, output_sigma=0.0, max_tokens=128,
+                 requests=64)
+    one = simulate(replica(LINEAR, draft=False), replica(per_seq, draft=False), "small", w, fixed_mix(0.5), 8,
+                   seed=0, gpu_hour_usd=2.0).row()
+    four = simulate(replica(LINEAR, draft=False), replica(per_seq, draft=False), "small", w, fixed_mix(0.5), 8,
+                    seed=0, small_replicas=4, gpu_hour_usd=2.0).row()
+    assert (one["gpus"], four["gpus"]) == (1, 4)
+    assert four["throughput_tok_s"] > 2.5 * one["throughput_tok_s"]  # 8 at 45 ms vs 2 each at 15 ms
+    assert four["usd_per_m_tokens"] == pytest.approx(4 * 2.0 / 3600 / four["throughput_tok_s"] * 1e6)
