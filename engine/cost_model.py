@@ -153,18 +153,25 @@ class TableStepCost:
 def step_cost_from_dict(d: dict):
     """Read back a measured or calibrated cost model from its `to_dict()`."""
     if d.get("kind") == "calibrated":
-        return CalibratedCost(step_cost_from_dict(d["base"]), d["per_seq_s"])
+        return CalibratedCost(step_cost_from_dict(d["base"]), d["per_seq_s"], d.get("spec_scale", 1.0))
     return TableStepCost.from_dict(d) if d.get("kind") == "table" else LinearStepCost.from_dict(d)
 
 
-OVERHEAD_EWMA = 0.1    # weight of one decode step in CalibratedCost's per-sequence overhead
+CAL_FORGET = 0.98          # CalibratedCost.calibrate: weight of the past per decode step
+CAL_PRIOR_VAR = (1.0, 0.25)  # ... and its prior variances: per_seq (ms^2), spec_scale
+CAL_SCALE_RANGE = (0.25, 4.0)
 
 
 @dataclass
 class CalibratedCost:
     """The step cost the engine runs on: a base model (profiled table, linear or roofline) plus
-    the per-sequence overhead of a real step (scheduling, sampling, detokenizing, attention over
-    longer contexts) that the engine measures while serving (`LLMEngine._calibrate`).
+    what the engine learns while serving (`LLMEngine._calibrate`, `calibrate` below):
+      - per_seq_s: the per-sequence overhead of a real step (scheduling, sampling, detokenizing,
+        attention over longer contexts), paid with or without drafting;
+      - spec_scale: how much dearer (> 1) or cheaper (< 1) drafting really is than the base
+        prices it, applied to every draft forward. A base model that misprices the draft
+        (a profile on another load, a datasheet roofline) would otherwise mislead both the
+        engine's k and the router's tier choice, in whichever direction it errs.
 
     The one cost model class: the engine steps with it, reports it in `EngineStats`, and the
     router's policy and the simulator price drafting with the same object.
@@ -172,23 +179,52 @@ class CalibratedCost:
 
     base: StepCostModel
     per_seq_s: float = 0.0
+    spec_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        # recursive least squares over (per_seq ms, spec_scale - 1), in milliseconds
+        self._p = [[CAL_PRIOR_VAR[0], 0.0], [0.0, CAL_PRIOR_VAR[1]]]
 
     def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
         return self.base.target_s(num_seqs, num_tokens, context_tokens) + self.per_seq_s * num_seqs
 
     def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
-        return self.base.draft_s(num_seqs, num_tokens, context_tokens)
+        return self.spec_scale * self.base.draft_s(num_seqs, num_tokens, context_tokens)
 
     def calibrate(self, ks: Sequence[int], context_tokens: int, seconds: float) -> None:
         """Learn from one decode step (every sequence fed one token, sequence i drafting ks[i])
-        that took `seconds`: what it cost beyond the base model, per sequence, as an EWMA.
-        Only costs above the base are learnt: a base that overprices stays overpriced."""
-        residual = max(0.0, seconds - step_s(ks, self.base, context_tokens)) / len(ks)
-        self.per_seq_s += OVERHEAD_EWMA * (residual - self.per_seq_s)
+        that took `seconds`. Model: seconds = base verify forward + per_seq * n
+        + spec_scale * (the base's draft rounds), fitted by recursive least squares
+        with forgetting (CAL_FORGET per step), so that a varying k separates the two terms; with
+        no drafting only per_seq moves. per_seq stays >= 0 (a base that overprices the target
+        stays overpriced), spec_scale within CAL_SCALE_RANGE."""
+        n = len(ks)
+        verify = self.base.target_s(n, n + sum(ks), context_tokens)
+        drafting = step_s(ks, self.base, context_tokens) - verify if any(ks) else 0.0
+        f = (float(n), drafting * 1e3)
+        y = (seconds - verify - drafting) * 1e3
+        theta = [self.per_seq_s * 1e3, self.spec_scale - 1.0]
+        p = self._p
+        pf = [p[0][0] * f[0] + p[0][1] * f[1], p[1][0] * f[0] + p[1][1] * f[1]]
+        gain = [x / (CAL_FORGET + f[0] * pf[0] + f[1] * pf[1]) for x in pf]
+        err = y - (theta[0] * f[0] + theta[1] * f[1])
+        theta = [theta[0] + gain[0] * err, theta[1] + gain[1] * err]
+        p = [[(p[i][j] - gain[i] * pf[j]) / CAL_FORGET for j in range(2)] for i in range(2)]
+        # forgetting grows the variance of a direction no step excites: cap it at the prior,
+        # scaling rows and columns alike so the matrix stays positive definite
+        c = [min(1.0, CAL_PRIOR_VAR[i] / p[i][i]) ** 0.5 if p[i][i] > 0 else 0.0 for i in range(2)]
+        p = [[p[i][j] * c[i] * c[j] for j in range(2)] for i in range(2)]
+        if not all(math.isfinite(x) for row in p for x in row) or p[0][0] * p[1][1] < p[0][1] ** 2:
+            p = [[CAL_PRIOR_VAR[0], 0.0], [0.0, CAL_PRIOR_VAR[1]]]
+        self._p = p
+        lo, hi = CAL_SCALE_RANGE
+        self.per_seq_s = max(0.0, theta[0]) / 1e3
+        self.spec_scale = min(hi, max(lo, 1.0 + theta[1]))
 
     def to_dict(self) -> dict:
         """JSON for reports (`specserve bench engine`); Ray carries the object itself."""
-        return {"kind": "calibrated", "base": self.base.to_dict(), "per_seq_s": self.per_seq_s}
+        return {"kind": "calibrated", "base": self.base.to_dict(), "per_seq_s": self.per_seq_s,
+                "spec_scale": self.spec_scale}
 
 
 # ----------------------------------------------------------------------------- choosing k

@@ -60,15 +60,14 @@ class FittedStepCost:
                 "draft_floor_s": self.draft_floor_s}
 
     def mismatched(self, m: float) -> "FittedStepCost":
-        """What an engine believes if it prices speculation (1 + m) times too dear: every draft
-        term and the target's per-token (verify) term times (1 + m); the fixed and per-sequence
-        terms, which every step pays with or without drafting, as they are. m = 0: the truth."""
+        """What an engine believes if it prices the draft (1 + m) times what it costs (every
+        draft term and the floor; c off by the same factor, the error issue 8 found in the old
+        model); the target as it is. m = 0: the truth."""
         if m == 0:
             return self
         s = 1.0 + m
         draft = self.draft and LinearCost(*(s * x for x in vars(self.draft).values()))
-        return replace(self, target=replace(self.target, per_token_s=s * self.target.per_token_s),
-                       draft=draft, draft_floor_s=s * self.draft_floor_s)
+        return replace(self, draft=draft, draft_floor_s=s * self.draft_floor_s)
 
 
 # Llama-2-70B TP4 on A100-80GB (see the module docstring for each number's source).

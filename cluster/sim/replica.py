@@ -284,11 +284,12 @@ class Replica:
         a = self.acceptance.value
         accs = [round(s.estimate(a), 2) for s in decode]  # estimates to a 0.01 grid (cache key)
         ctx_b, extra_b = ctx // 8192 * 8192 + 4096, extra // 256 * 256
-        per_seq = round(self.belief.per_seq_s, 5)  # the calibrated overhead to a 10 us grid
-        key = (frozenset(Counter(zip(accs, caps)).items()), ctx_b, extra_b, per_seq)
+        per_seq = round(self.belief.per_seq_s, 5)  # what the engine learnt, to a 10 us grid
+        scale = round(self.belief.spec_scale, 2)  # ... and to a 1% grid
+        key = (frozenset(Counter(zip(accs, caps)).items()), ctx_b, extra_b, per_seq, scale)
         by_group = self._k_cache.get(key)
         if by_group is None:
-            belief = CalibratedCost(self.belief.base, per_seq)
+            belief = CalibratedCost(self.belief.base, per_seq, scale)
             by_group = dict(zip(zip(accs, caps), choose_k(accs, caps, belief, ctx_b, extra_b)))
             self._k_cache[key] = by_group
         return [by_group[g] for g in zip(accs, caps)]
@@ -349,7 +350,7 @@ class Replica:
             kv_used_target_bytes=int(self.used[g] - draft_used), kv_used_draft_bytes=int(draft_used),
             target_kv_bytes_per_token=c.target_kv[g], draft_kv_bytes_per_token=c.draft_kv[g],
             context_tokens=sum(s.context for s in self.running), max_model_len=max_context,
-            cost=CalibratedCost(self.belief.base, self.belief.per_seq_s),
+            cost=CalibratedCost(self.belief.base, self.belief.per_seq_s, self.belief.spec_scale),
             acceptance_rate=self.accepted / self.drafted if self.drafted else None,
             token_acceptance=a if self.drafted else None,
             speculating_acceptance=tuple(s.estimate(a) for s in self.running if s.speculative),

@@ -102,7 +102,8 @@ def _simulate_and_record(monkeypatch, load: int):
     return events
 
 
-@pytest.mark.parametrize("load,reasons", [(4, {"low_load"}), (24, {"low_load", "batch_large"})])
+@pytest.mark.parametrize("load,reasons", [(4, {"low_load", "acceptance_low"}),
+                                          (6, {"low_load", "batch_large", "acceptance_low"})])
 def test_the_live_router_decides_as_the_simulator_on_the_same_engine_stats(monkeypatch, load, reasons):
     events = _simulate_and_record(monkeypatch, load)
     assert {e[4].reason for e in events if e[0] == "decide"} == reasons
