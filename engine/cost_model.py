@@ -212,10 +212,11 @@ class CalibratedCost:
         p = [[(p[i][j] - gain[i] * pf[j]) / CAL_FORGET for j in range(2)] for i in range(2)]
         # forgetting grows the variance of a direction no step excites: cap it at the prior,
         # scaling rows and columns alike so the matrix stays positive definite
-        c = [min(1.0, CAL_PRIOR_VAR[i] / p[i][i]) ** 0.5 if p[i][i] > 0 else 0.0 for i in range(2)]
-        p = [[p[i][j] * c[i] * c[j] for j in range(2)] for i in range(2)]
-        if not all(math.isfinite(x) for row in p for x in row) or p[0][0] * p[1][1] < p[0][1] ** 2:
+        if (not all(math.isfinite(x) for row in p for x in row) or min(p[0][0], p[1][1]) <= 0
+                or p[0][0] * p[1][1] <= p[0][1] ** 2):   # rounding broke it: start again
             p = [[CAL_PRIOR_VAR[0], 0.0], [0.0, CAL_PRIOR_VAR[1]]]
+        c = [min(1.0, CAL_PRIOR_VAR[i] / p[i][i]) ** 0.5 for i in range(2)]
+        p = [[p[i][j] * c[i] * c[j] for j in range(2)] for i in range(2)]
         self._p = p
         lo, hi = CAL_SCALE_RANGE
         self.per_seq_s = max(0.0, theta[0]) / 1e3
