@@ -28,7 +28,10 @@ STATS_ROUTER = "router.live_stats:StatsRequestRouter"
 def _runtime_env(tier: TierModelConfig) -> dict:
     threads = str(tier.num_threads)
     return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}}
+                         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                         # replicas share the node's cores with each other and Ray: threads
+                         # must sleep when idle, never spin (engine/__init__.py)
+                         "OMP_WAIT_POLICY": "PASSIVE"}}
 
 
 def _tier_options(tier: TierModelConfig, cfg: AppConfig) -> dict:

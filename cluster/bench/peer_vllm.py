@@ -65,8 +65,12 @@ def main(job_path: str, out_path: str) -> int:
 
 def env_for(python: str, threads: int) -> dict:
     """Environment for the child: one process, its venv's OpenMP preloaded, threads pinned."""
+    import engine
+
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    for name in engine.OMP_DEFAULTED:      # vLLM keeps its own OpenMP defaults (Intel OpenMP)
+        env.pop(name, None)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all" if threads > 1 else "0")
