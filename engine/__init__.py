@@ -6,6 +6,7 @@ and the simulator without pulling torch.
 """
 
 import os
+import time
 
 # How idle OpenMP threads wait, chosen before torch loads OpenMP (libgomp reads it once).
 # Measured on this project's 2-core machine, reference-py, 2 threads, one decode step:
@@ -14,19 +15,36 @@ import os
 # - cores free: sleeping costs a futex wake-up per parallel region, ~500 regions a step; a
 #   bounded spin (SPIN_COUNT iterations, well under a millisecond, then sleep) made the step
 #   1.2-1.5x faster (batch 1: 18-20 -> 11-16 ms; batch 32: 67-76 -> 45-62 ms).
-# So: spin briefly when the cores are free when the process starts, sleep when they are not.
+# So: spin briefly when the cores are free when the process starts (sampled over 50 ms), sleep
+# when they are not.
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment always win. Ray replicas sharing a node's
 # cores get PASSIVE from their runtime environment (deployments/app.py).
 SPIN_COUNT = 100_000
 OMP_DEFAULTED: dict[str, str] = {}
 
 
+def _busy_cores(cores: int, sample_s: float = 0.05) -> float:
+    """Cores busy right now: from /proc/stat over `sample_s` (the load average lags a minute
+    behind, long enough to pick the wrong policy), else the 1-minute load average."""
+    def read():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return ticks[3] + ticks[4], sum(ticks)          # idle + iowait, all
+    try:
+        idle0, total0 = read()
+        time.sleep(sample_s)
+        idle1, total1 = read()
+        machine = os.cpu_count() or cores
+        return machine * (1 - (idle1 - idle0) / max(1, total1 - total0)) * cores / machine
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else float(cores)
+
+
 def _choose_openmp_wait() -> None:
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else float(cores)
-    if busy + 0.5 < cores:
+    if _busy_cores(cores) + 0.5 < cores:
         OMP_DEFAULTED["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     else:
         OMP_DEFAULTED["OMP_WAIT_POLICY"] = "PASSIVE"

@@ -18,7 +18,7 @@ def clean_env(monkeypatch):
 
 
 def test_free_cores_spin_briefly(clean_env):
-    clean_env.setattr(os, "getloadavg", lambda: (0.3, 0.3, 0.3))
+    clean_env.setattr(engine, "_busy_cores", lambda cores: 0.3)
     engine._choose_openmp_wait()
     assert os.environ["GOMP_SPINCOUNT"] == str(engine.SPIN_COUNT)
     assert "OMP_WAIT_POLICY" not in os.environ
@@ -27,7 +27,7 @@ def test_free_cores_spin_briefly(clean_env):
 
 @pytest.mark.parametrize("load", [1.6, 2.0, 9.0])
 def test_busy_cores_sleep(clean_env, load):
-    clean_env.setattr(os, "getloadavg", lambda: (load, load, load))
+    clean_env.setattr(engine, "_busy_cores", lambda cores: load)
     engine._choose_openmp_wait()
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     assert "GOMP_SPINCOUNT" not in os.environ
@@ -36,8 +36,24 @@ def test_busy_cores_sleep(clean_env, load):
 @pytest.mark.parametrize("name,value", [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "0")])
 def test_the_users_setting_wins(clean_env, name, value):
     clean_env.setenv(name, value)
-    clean_env.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    clean_env.setattr(engine, "_busy_cores", lambda cores: 9.0)
     engine._choose_openmp_wait()
     assert os.environ[name] == value
     assert engine.OMP_DEFAULTED == {}
     assert ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} - {name}).isdisjoint(os.environ)
+
+
+def test_busy_cores_reads_a_running_process():
+    """A process spinning on a core shows as about one busy core (of those this process may use)."""
+    import subprocess
+    import sys
+
+    cores = len(os.sched_getaffinity(0))
+    quiet = engine._busy_cores(cores, 0.3)
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = engine._busy_cores(cores, 0.3)
+    finally:
+        spin.kill()
+    assert 0 <= quiet <= cores and busy <= cores + 0.01
+    assert busy >= min(quiet + 0.6, cores - 0.2)
