@@ -28,7 +28,19 @@ STATS_ROUTER = "router.live_stats:StatsRequestRouter"
 def _runtime_env(tier: TierModelConfig) -> dict:
     threads = str(tier.num_threads)
     return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}}
+                         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                         **_openmp_wait(tier)}}
+
+
+def _openmp_wait(tier: TierModelConfig) -> dict[str, str]:
+    """Replicas sharing a node's cores with each other and Ray sleep when idle (engine/__init__)."""
+    from engine import SPIN_COUNT      # pure Python: imports no torch
+
+    # Both variables, always: a replica inherits the raylet's environment, which may hold the
+    # launcher's own choice, and libgomp lets an explicit GOMP_SPINCOUNT override the policy.
+    if tier.openmp_wait == "spin":
+        return {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
 
 
 def _tier_options(tier: TierModelConfig, cfg: AppConfig) -> dict:

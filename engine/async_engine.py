@@ -8,13 +8,23 @@ kernels, so the event loop stays responsive while a step runs.
 Faults: a request that failed inside a step gets `RequestFailedError` on its stream and the loop
 goes on; if the loop itself dies, every stream gets `EngineDeadError` and `is_alive` turns false
 (the replica's health check reads it, so Serve replaces the replica).
+
+New requests and aborts never wait for a step: they go into an inbox that the step thread (or
+any other holder of the engine lock) drains before it touches the engine, so the event loop is
+never blocked behind a forward pass, and a new prompt joins the very next step. (They used to
+take the engine lock themselves; the step thread re-took it right after releasing it, so under
+load an `add_request` could wait several steps with the whole event loop blocked: time to first
+token grew with the number of streams.) Stats readers take the lock, and the step thread yields
+it to them between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import traceback
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -26,6 +36,13 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import RequestOptions, SamplingParams
 
 
+class _Rejected:
+    """A request the engine refused (validation, overload): raised to its caller as is."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, peers=None, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config, peers)
@@ -34,6 +51,8 @@ class AsyncEngine:
         self._lock = threading.Lock()          # guards every touch of self.engine
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: deque = deque()         # ("add", ...) / ("abort", id): appended by any thread
+        self._lock_waiters = 0                 # threads waiting for the lock (the loop yields to them)
         self._stop = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
@@ -49,14 +68,16 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt_token_ids, params, options)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        stream = (asyncio.get_running_loop(), queue)
+        self._inbox.append(("add", request_id, list(prompt_token_ids), params, options, stream))
         self._wake.set()
         finished = False
         try:
             while not finished:
                 out = await queue.get()
+                if isinstance(out, _Rejected):
+                    finished = True                # never added: nothing to abort
+                    raise out.error
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"the engine stopped: {out!r}") from out
                 finished = out.finished
@@ -68,27 +89,47 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
+        """Abort (its KV is freed before the engine's next step or stats read); never blocks."""
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def _locked(self):
+        return _FairLock(self)
+
+    def _drain(self) -> None:
+        """Apply queued adds and aborts. Caller holds the lock."""
+        while self._inbox:
+            op = self._inbox.popleft()
+            if op[0] == "abort":
+                self._streams.pop(op[1], None)
+                self.engine.abort(op[1])
+                continue
+            _, request_id, prompt, params, options, stream = op
+            try:
+                self.engine.add_request(request_id, prompt, params, options)
+            except Exception as exc:                   # refused: the caller gets it as is
+                loop, queue = stream
+                loop.call_soon_threadsafe(queue.put_nowait, _Rejected(exc))
+                continue
+            self._streams[request_id] = stream
 
     def inject_fault(self, kind: str, count: int = 1, after: int = 0) -> None:
         """TEST ONLY: see `LLMEngine.inject_fault`."""
-        with self._lock:
+        with self._locked():
             self.engine.inject_fault(kind, count, after)
 
     def stats(self) -> EngineStats:
-        with self._lock:
+        with self._locked():
             return replace(self.engine.stats(), available=self.is_alive)
 
     def metrics(self) -> MetricsSnapshot:
-        with self._lock:
+        with self._locked():
             return self.engine.snapshot()
 
     def swap_draft(self, path: str) -> None:
         """Load a new draft beside the running one, then swap it in between two steps."""
         loaded = self.engine.load_draft(path)       # seconds: outside the lock, steps go on
-        with self._lock:
+        with self._locked():
             self.engine.swap_draft(loaded)
 
     def shutdown(self) -> None:
@@ -99,7 +140,10 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stop:
+                if self._lock_waiters:         # a stats reader is waiting: let it in first
+                    time.sleep(0.0002)
                 with self._lock:
+                    self._drain()
                     busy = self.engine.has_unfinished()
                     outputs = self.engine.step() if busy else []
                     targets = [(self._streams.get(o.request_id), o) for o in outputs]
@@ -113,10 +157,39 @@ class AsyncEngine:
                 if not busy:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    if self._inbox:
+                        self._wake.set()
         except BaseException as exc:           # a bug, or out of memory: fail every stream loudly
             traceback.print_exc()
             self.error = exc
             with self._lock:
                 streams, self._streams = list(self._streams.values()), {}
+                streams += [op[-1] for op in self._inbox if op[0] == "add"]   # never added
+                self._inbox.clear()
             for loop, queue in streams:
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+
+class _FairLock:
+    """The engine lock for callers other than the step thread: counted while they wait, so the
+    step thread steps aside between two steps; queued adds and aborts are applied first."""
+
+    def __init__(self, owner: AsyncEngine):
+        self.owner = owner
+
+    def __enter__(self):
+        o = self.owner
+        o._lock_waiters += 1
+        try:
+            o._lock.acquire()
+        finally:
+            o._lock_waiters -= 1
+        try:
+            o._drain()
+        except BaseException:
+            o._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.owner._lock.release()

@@ -176,38 +176,45 @@ class LlamaForward:
         return F.linear(x, weight, bias)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As transformers: normalise in float32, cast back, then scale.
+        # As transformers: normalise in float32, cast back, then scale (one fused op in float32).
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps=self.shape.rms_norm_eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps)
         return weight * normed.to(x.dtype)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each position: [num_tokens, head_dim], in the model dtype."""
+        """cos, sin for each position: [num_tokens, head_dim], in the model dtype. The first
+        half of sin is negated (see `_rope`)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+        sin = emb.sin() * self.rope_scale
+        sin[:, :freqs.shape[1]].neg_()
+        return (emb.cos() * self.rope_scale).to(self.dtype), sin.to(self.dtype)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
+    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """transformers' x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1) written
+        (x2, x1) * (-sin1, sin2): three ops for the queries and keys of all heads at once.
+        x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim]"""
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, signed_sin)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         s = self.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        heads = s.num_heads + s.num_kv_heads
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(positions)
         cos, sin = cos[:, None, :], sin[:, None, :]
         for i, layer in enumerate(self.layers):
             x = self._norm(hidden, layer.input_norm)
             qkv = self._linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = self._rope(q.view(-1, s.num_heads, s.head_dim), cos, sin)
-            k = self._rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
-            v = v.view(-1, s.num_kv_heads, s.head_dim)
+            qk = self._rope(qkv[:, :q_size + kv_size].view(-1, heads, s.head_dim), cos, sin)
+            q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
+            v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
             out = self._linear(attn(i, q, k, v), layer.o_proj, layer.o_bias)
             if self.world > 1:
                 out = self.all_reduce(out)

@@ -42,6 +42,10 @@ class TierModelConfig(_Strict):
     max_model_len: int | None = Field(None, ge=8, description="None: the checkpoint's context")
     max_waiting: int = Field(64, ge=0, description="engine waiting-queue bound (then 429)")
     num_threads: int = Field(1, ge=1, description="torch threads per rank process")
+    openmp_wait: Literal["passive", "spin"] = Field(
+        "passive", description="idle OpenMP threads sleep (passive: cores shared with other "
+        "replicas and Ray) or spin briefly first (spin: the rank has its cores to itself; faster "
+        "steps, see engine/__init__.py)")
     max_ongoing_requests: int = Field(64, ge=1, description="Serve: concurrent requests per replica")
     max_queued_requests: int = Field(32, ge=1, description="Serve: queued requests per caller")
     engine_args: dict[str, Any] = Field(default_factory=dict,

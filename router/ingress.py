@@ -41,7 +41,7 @@ from router.http_app import app, chain, endpoint_plan, routes
 from router.live_stats import LiveStats
 from router.observer import Observer, RequestOutcome
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
-                                  Usage, chat_body, chat_chunk, completion_body, completion_chunk,
+                                  RunningUsage, Usage, chat_body, chat_chunk, completion_body, completion_chunk,
                                   error_body, new_id, system_fingerprint)
 from router.pricing import PriceTable, check_speculation, effective_plan, plan_covers
 from router.revenue import Revenue
@@ -223,8 +223,9 @@ class Ingress:
         headers = {"x-specserve-tier": tier, "x-specserve-reason": reason, **charge.headers}
         ids = body.return_token_ids
         if body.stream:
+            running = bool(body.stream_options and body.stream_options.continuous_usage_stats)
             events = self._sse(first, stream, chat, body.model, request_id, charge,
-                               prompt_class, ids, api, ticket)
+                               prompt_class, ids, api, ticket, running)
             ticket.release_with(events)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         parts, token_ids, last = [], [], first
@@ -257,15 +258,18 @@ class Ingress:
                                  token_ids if ids else None, fingerprint), headers=headers)
 
     async def _sse(self, first, stream, chat, model, request_id, charge, prompt_class,
-                   return_ids, api, ticket):
+                   return_ids, api, ticket, running_usage=False):
         status, tier, last = "200", charge.tier, first
         try:
-            is_first = True
+            is_first, completion_tokens = True, 0
             async for chunk in chain(first, stream):
                 last = chunk
+                completion_tokens += len(chunk.token_ids)
                 if not (chunk.text or chunk.finished or is_first or (return_ids and chunk.token_ids)):
                     continue            # nothing to say yet (the detokenizer holds bytes back)
                 usage = await self._usage(chunk, charge, prompt_class) if chunk.finished else None
+                if usage is None and running_usage:
+                    usage = RunningUsage(chunk.num_prompt_tokens, completion_tokens)
                 ids = chunk.token_ids if return_ids else None
                 fingerprint = system_fingerprint(self.cfg.model_name, chunk.fingerprint)
                 if chat:

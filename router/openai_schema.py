@@ -63,6 +63,9 @@ def _is_off(value: Any, off_values: tuple) -> bool:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = True    # usage is always sent in the final chunk
+    # vLLM's extension (load clients such as guidellm send it): every chunk carries the token
+    # counts so far; the final chunk's usage (with the price) is unchanged.
+    continuous_usage_stats: bool = False
 
 
 class _Request(BaseModel):
@@ -170,6 +173,17 @@ class Usage(BaseModel):
     price_usd: float
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
+
+
+class RunningUsage(BaseModel):
+    """Token counts so far, on every chunk of a stream that asked for `continuous_usage_stats`."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int = 0
+
+    def __init__(self, prompt_tokens: int, completion_tokens: int):
+        super().__init__(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
 
 
 def new_id(prefix: str) -> str:

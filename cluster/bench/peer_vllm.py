@@ -55,7 +55,9 @@ def main(job_path: str, out_path: str) -> int:
         _time(llm, job["prompts"][:2], 16)                     # warm-up
         for b in job["batches"]:
             ps = [job["prompts"][i % len(job["prompts"])] for i in range(b)]
-            result[name][str(b)] = _time(llm, ps, job["new_tokens"])
+            runs = [_time(llm, ps, job["new_tokens"]) for _ in range(job.get("repeats", 1))]
+            result[name][str(b)] = sorted(runs)[len(runs) // 2]      # the median (odd repeats)
+            result.setdefault("runs", {}).setdefault(name, {})[str(b)] = runs
             print(f"vllm {name} batch {b}: {result[name][str(b)]:.1f} tok/s", file=sys.stderr,
                   flush=True)
         del llm
@@ -65,8 +67,12 @@ def main(job_path: str, out_path: str) -> int:
 
 def env_for(python: str, threads: int) -> dict:
     """Environment for the child: one process, its venv's OpenMP preloaded, threads pinned."""
+    import engine
+
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    for name in engine.OMP_DEFAULTED:      # vLLM keeps its own OpenMP defaults (Intel OpenMP)
+        env.pop(name, None)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all" if threads > 1 else "0")

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads OpenMP: see engine/__init__
+import engine  # noqa: F401,E402  (chooses how OpenMP threads wait, before torch loads it)
 
 # (command path, module, help). Nested commands are written "group sub".
 COMMANDS: list[tuple[str, str, str]] = [

@@ -76,6 +76,29 @@ def test_completions_on_every_endpoint(app, plan):
     assert events[-2]["usage"]["tier"] == usage["tier"]
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_put_counts_on_every_chunk(app, chat):
+    """vLLM's `stream_options.continuous_usage_stats` (sent by load clients such as guidellm,
+    which every request of failed with a 400 before): running counts on every chunk, and the
+    final chunk's usage is the priced one."""
+    body = {"model": MODEL, "max_tokens": 8, "stream": True, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "def add(a, b):"}]
+    else:
+        body["prompt"] = "def add(a, b):"
+    path = ENDPOINTS["standard"] + ("/chat/completions" if chat else "/completions")
+    with app.client("standard") as client, client.stream("POST", path, json=body) as stream:
+        assert stream.status_code == 200, stream.read()
+        events = sse_events(stream)[:-1]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 8
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + c
+               for e, c in zip(events, counts))
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] > 0 for e in events)
+    assert "price_usd" in events[-1]["usage"] and "price_usd" not in events[0]["usage"]
+
+
 @pytest.mark.parametrize("plan", ["auto", "premium", "standard", "economy"])
 def test_chat_with_the_openai_client(app, plan):
     import openai

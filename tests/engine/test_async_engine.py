@@ -71,3 +71,27 @@ def test_a_failed_request_gets_an_error_and_the_engine_serves_on(aengine):
     assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 5
     stats = aengine.stats()
     assert stats.kv_used_target_bytes == 0 and stats.num_running == 0
+
+
+def test_a_new_request_never_blocks_the_event_loop_behind_a_step(aengine):
+    """While a step holds the engine lock, `generate` queues its request and the event loop runs
+    on (it used to take the lock itself, blocking every stream of the replica behind the step)."""
+    import threading
+
+    async def go():
+        aengine._lock.acquire()                          # a long step is running
+        releaser = threading.Timer(2.0, aengine._lock.release)
+        releaser.start()
+        gen = aengine.generate("s-lock", [5, 7, 9], SamplingParams(temperature=0, max_tokens=3,
+                               ignore_eos=True))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        loop_ran_while_step_held_lock = aengine._lock.locked()
+        out = await first                                # joins the step after the lock frees
+        rest = [o async for o in gen]
+        releaser.join()
+        return loop_ran_while_step_held_lock, [out, *rest]
+
+    during, outs = asyncio.run(go())
+    assert during, "the event loop was blocked until the engine lock was released"
+    assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
