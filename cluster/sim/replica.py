@@ -155,7 +155,7 @@ class Replica:
         self.blocked = 0  # requests the last admission pass could not admit
         self.preemptions = self.downgrades = 0
         self._k_cache: dict = {}
-        self.belief = CalibratedCost(cfg.believed or cfg.cost)
+        self.belief = CalibratedCost(cfg.believed or cfg.cost, learn_draft_scale=True)
         self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self.drafted = self.accepted = 0  # draft tokens since start (the dashboard's rate)
 

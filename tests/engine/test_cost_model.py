@@ -163,7 +163,7 @@ def test_calibration_learns_the_overhead_and_what_drafting_really_costs():
 
     base = LinearStepCost(LinearCost(20e-3, 1e-4, 1e-4), LinearCost(4e-3, 5e-5, 2e-5))
     true = LinearStepCost(LinearCost(20e-3, 6e-4, 1e-4), LinearCost(5.2e-3, 6.5e-5, 2.6e-5))  # +0.5 ms/seq, draft x1.3
-    cost, rng = CalibratedCost(base), random.Random(0)
+    cost, rng = CalibratedCost(base, learn_draft_scale=True), random.Random(0)
     for _ in range(2000):  # a long baseline stretch: only the overhead is observable
         n = rng.randint(1, 32)
         cost.calibrate([0] * n, 300 * n, step_s([0] * n, true, 300 * n))
@@ -185,7 +185,7 @@ def test_calibration_keeps_learning_after_long_stretches_without_drafting():
 
     base = LinearStepCost(LinearCost(20e-3, 1e-4, 1e-4), LinearCost(4e-3, 5e-5, 2e-5))
     true = LinearStepCost(LinearCost(20e-3, 6e-4, 1e-4), LinearCost(5.2e-3, 6.5e-5, 2.6e-5))  # draft x1.3
-    cost, rng = CalibratedCost(base), random.Random(0)
+    cost, rng = CalibratedCost(base, learn_draft_scale=True), random.Random(0)
     for _ in range(30):
         for _ in range(rng.randint(50, 3000)):
             cost.calibrate([0], 300, step_s([0], true, 300) * rng.uniform(0.95, 1.05))
@@ -193,3 +193,20 @@ def test_calibration_keeps_learning_after_long_stretches_without_drafting():
             ks = [rng.randint(0, 6)]
             cost.calibrate(ks, 300, step_s(ks, true, 300) * rng.uniform(0.95, 1.05))
     assert cost.spec_scale == pytest.approx(1.3, rel=0.1)
+
+
+def test_the_engines_calibration_learns_only_the_overhead():
+    """The real engine (learn_draft_scale False) moves per_seq_s by an EWMA of the residual and
+    never rescales drafting (the joint fit made adaptive k slower than plain decoding at batch 1)."""
+    from engine.cost_model import OVERHEAD_EWMA, CalibratedCost, LinearCost, LinearStepCost, step_s
+
+    base = LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(1e-4, 1e-6, 1e-7))
+    cost = CalibratedCost(base)
+    ks, ctx = [3, 3, 0], 300
+    truth = 1.3 * step_s(ks, base, ctx) + 3 * 5e-4
+    cost.calibrate(ks, ctx, truth)
+    residual = (truth - step_s(ks, base, ctx)) / 3
+    assert cost.per_seq_s == pytest.approx(OVERHEAD_EWMA * residual)
+    for _ in range(200):
+        cost.calibrate(ks, ctx, truth)
+    assert cost.spec_scale == 1.0 and cost.per_seq_s == pytest.approx(residual, rel=1e-3)
