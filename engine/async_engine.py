@@ -53,6 +53,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._inbox: deque = deque()         # ("add", ...) / ("abort", id): appended by any thread
         self._lock_waiters = 0                 # threads waiting for the lock (the loop yields to them)
+        self._waiters_lock = threading.Lock()  # `+= 1` from several threads is not atomic
         self._stop = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
@@ -179,11 +180,13 @@ class _FairLock:
 
     def __enter__(self):
         o = self.owner
-        o._lock_waiters += 1
+        with o._waiters_lock:
+            o._lock_waiters += 1
         try:
             o._lock.acquire()
         finally:
-            o._lock_waiters -= 1
+            with o._waiters_lock:
+                o._lock_waiters -= 1
         try:
             o._drain()
         except BaseException:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -56,7 +57,7 @@ def main(job_path: str, out_path: str) -> int:
         for b in job["batches"]:
             ps = [job["prompts"][i % len(job["prompts"])] for i in range(b)]
             runs = [_time(llm, ps, job["new_tokens"]) for _ in range(job.get("repeats", 1))]
-            result[name][str(b)] = sorted(runs)[len(runs) // 2]      # the median (odd repeats)
+            result[name][str(b)] = statistics.median(runs)          # as ours are reported
             result.setdefault("runs", {}).setdefault(name, {})[str(b)] = runs
             print(f"vllm {name} batch {b}: {result[name][str(b)]:.1f} tok/s", file=sys.stderr,
                   flush=True)
