@@ -26,7 +26,8 @@ class TargetServer(EngineServer):
         # which the draft's KV shape sets, and block count), so block ids mean the same slots.
         self.tp_group = TPGroup.start(
             tier.tp_size,
-            worker_kwargs={"target": config.target, "dtype": config.dtype, "device": config.device},
+            worker_kwargs={"target": config.target, "dtype": config.dtype, "device": config.device,
+                           "attention": config.attention},
             num_cpus=tier.num_cpus_per_rank, num_gpus=tier.num_gpus_per_rank,
             num_threads=tier.num_threads, worker_path=tp_worker_class)
         super().__init__(tier, engine_class, stats_period_s,

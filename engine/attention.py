@@ -11,8 +11,10 @@ more), and each group is ONE attention call per layer: its sequences' keys are g
 pool through a token table into a padded `[batch, max_len]` view and one batched SDPA runs with a
 per-row mask (key j is visible to query i of sequence b iff j <= cached_b + i). A group of ONE
 sequence whose blocks are consecutive reads its keys in place (a strided view of the pool, no
-gather), which is what a single stream pays. On CUDA, `engine/cuda_attention.py` gives the same
-interface on a paged-attention library.
+gather), which is what a single stream pays. On CPU, decode and verify groups of several
+sequences skip the gather: one fused kernel (`engine/cpu_attention.py`) reads the keys in place
+through the same token table and mask. Prefill chunks keep SDPA (compute, not the copy, is
+their cost). CUDA runs the gather + SDPA path; a paged-attention library is not wired in yet.
 
 Batch invariance: SDPA's CPU kernel blocks its work by the number of queries and keys, so a
 row's output moves at the 1e-7 level (float32) with its batch-mates' lengths and with being a
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpu_attention import paged_attention
 
 VERIFY_MAX = 17          # query tokens up to this are grouped with speculative verifies
 
@@ -42,9 +46,10 @@ class _Group:
     """Sequences with similar query lengths, attended in one call per layer."""
 
     def __init__(self, members: list[int], seqs: list[SeqSlice], starts: list[int], tpb: int,
-                 flat: bool, in_place: bool, device):
+                 flat: bool, in_place: bool, device, fused: bool = False):
         ss = [seqs[i] for i in members]
         self.window, self.causal, self.mask, self.batch = None, False, None, 0
+        self.fused = False
         lens = [s.num_cached + s.num_query for s in ss]
         self.lk, nq = max(lens), [s.num_query for s in ss]
         self.qmax = max(nq)
@@ -76,6 +81,7 @@ class _Group:
         if len(ss) == 1:
             return                            # rows and causal/mask were set above
         self.batch = len(ss)
+        self.fused = fused and flat and self.qmax <= VERIFY_MAX
         start = torch.tensor([starts[i] for i in members], dtype=torch.long, device=device)
         nq_t = torch.tensor(nq, dtype=torch.long, device=device)
         cached = torch.tensor([s.num_cached for s in ss], dtype=torch.long, device=device)
@@ -118,6 +124,12 @@ class _Group:
                                                is_causal=self.causal, scale=scale, enable_gqa=True)
             out[self.rows] = o[0].transpose(0, 1)
             return
+        o = self._fused(q, k_cache, v_cache, scale) if self.fused else None
+        if o is not None:
+            if self.valid is not None:
+                o = o.index_select(0, self.valid)
+            out.index_copy_(0, self.rows, o)
+            return
         query = q.index_select(0, self.q_index).view(self.batch, self.qmax, *q.shape[1:])
         o = F.scaled_dot_product_attention(query.transpose(1, 2),
                                            self._gather(k_cache, workspace, "k"),
@@ -127,6 +139,21 @@ class _Group:
         if self.valid is not None:
             o = o.index_select(0, self.valid)
         out.index_copy_(0, self.rows, o)
+
+
+    def _fused(self, q, k_cache, v_cache, scale) -> torch.Tensor | None:
+        """[b * qmax, heads, d] from the fused kernel, or None where it cannot run here."""
+        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+        query = q.index_select(0, self.q_index).view(self.batch, self.qmax, kv_heads, -1, d)
+        o = paged_attention(query, k_cache.flatten(0, 1), v_cache.flatten(0, 1),
+                            self.keys.view(self.batch, self.lk), self.mask[:, 0], scale)
+        return None if o is None else o.view(-1, *q.shape[1:])
+
+
+def _gather_bytes(k_cache: torch.Tensor, seqs: list[SeqSlice]) -> int:
+    """Bytes the gather path would copy for these sequences' keys and values (one layer)."""
+    lk = max(s.num_cached + s.num_query for s in seqs)
+    return 2 * len(seqs) * lk * k_cache[0, 0].numel() * k_cache.element_size()
 
 
 def _consecutive(table: list[int]) -> bool:
@@ -143,11 +170,14 @@ class PagedAttention:
     layers: per layer, (k_cache, v_cache), each [num_blocks, tokens_per_block, kv_heads, d].
     in_place: consecutive blocks are evenly strided (a sequence's keys are a strided view, and
     the pool's tokens of one layer are a flat strided view).
+    fused_min_bytes: None: never the fused kernel. Else decode and verify groups of several
+    sequences in a float32 pool run the fused in-place kernel (CPU) when their gather would copy at least this many
+    bytes, or whenever torch has one thread (it then beats per-sequence calls at any batch).
     """
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], seqs: list[SeqSlice],
                  scale: float, in_place: bool = True, workspace: dict | None = None,
-                 per_sequence: bool | None = None):
+                 per_sequence: bool | None = None, fused_min_bytes: int | None = None):
         """workspace: buffers kept by the caller across forwards (gathers reuse them).
         per_sequence: attend in-place sequences one by one (None: when torch has one thread)."""
         self.layers, self.scale = layers, scale
@@ -174,11 +204,21 @@ class PagedAttention:
         # CPU time: 100-110 ms per sequence against 116-123 ms batched). With more threads every
         # call is a parallel region, and one batched call per layer wins (450-475 ms of CPU
         # against 1,200-1,500 here, on a loaded machine).
+        # float32 only: in bfloat16 the fused kernel's rounding differs from SDPA's (which rounds
+        # the probabilities to bf16 before the product with V), enough to flip a near-tie argmax
+        # between a sequence decoded alone (SDPA in place) and in a batch; greedy speculative
+        # output must equal plain decoding token for token. (bf16 is not the fast path on CPUs
+        # without native bf16, where dtype "auto" picks float32.)
+        fused_dtype = k_cache.dtype == torch.float32
         one_thread = per_sequence if per_sequence is not None else (
             device.type == "cpu" and torch.get_num_threads() == 1)
         self.groups = []
         for g in filter(None, groups):
-            if one_thread and in_place and all(_consecutive(seqs[i].block_table) for i in g):
+            if (fused_min_bytes is not None and self.flat and len(g) > 1 and fused_dtype
+                    and _group_of(seqs[g[0]].num_query) < 2
+                    and (one_thread or _gather_bytes(k_cache, [seqs[i] for i in g]) >= fused_min_bytes)):
+                self.groups.append(_Group(g, seqs, starts, tpb, self.flat, in_place, device, True))
+            elif one_thread and in_place and all(_consecutive(seqs[i].block_table) for i in g):
                 self.groups += [_Group([i], seqs, starts, tpb, self.flat, in_place, device) for i in g]
             else:
                 self.groups.append(_Group(g, seqs, starts, tpb, self.flat, in_place, device))

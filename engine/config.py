@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 
 
+ATTENTION = ("auto", "sdpa")
+
+
 @dataclass
 class EngineConfig:
     target: str                          # local Hugging Face folder
@@ -13,6 +16,9 @@ class EngineConfig:
     dtype: str = "auto"                  # weights and KV; "auto": bfloat16 where the device
                                          # computes it natively (GPU, AMX CPU), else float32
     device: str = "cpu"
+    attention: str = "auto"              # "auto": the fused in-place kernel on CPU for decode and
+                                         # verify groups (engine/cpu_attention.py), gather + SDPA
+                                         # elsewhere; "sdpa": gather + SDPA everywhere
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget
     block_size: int = 16                 # target tokens per KV block
@@ -36,5 +42,7 @@ class EngineConfig:
             raise ValueError("prior_acceptance must be in (0, 1)")
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.num_threads is None:
             self.num_threads = max(1, min(2, len(os.sched_getaffinity(0))))

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from engine.attention import PagedAttention, SeqSlice
+from engine.cpu_attention import FUSED_MIN_BYTES
 
 
 class Peers(Protocol):
@@ -27,7 +28,7 @@ class Peers(Protocol):
 
 class ModelRunner:
     def __init__(self, forward, kv_view: torch.Tensor, in_place: bool = True,
-                 peers: Peers | None = None):
+                 peers: Peers | None = None, attention: str = "auto"):
         self.forward = forward            # models.llama.LlamaForward
         # kv_view: [num_blocks, tokens_per_block, layers, 2, kv_heads, d] -> per layer (K, V)
         self.layers = [(kv_view[:, :, i, 0], kv_view[:, :, i, 1]) for i in range(kv_view.shape[2])]
@@ -36,6 +37,9 @@ class ModelRunner:
         self.scale = forward.shape.head_dim ** -0.5
         self.device = forward.device
         self.workspace: dict = {}         # attention's gather buffers, reused across steps
+        # The fused in-place kernel (engine/cpu_attention.py) for decode and verify groups on CPU.
+        self.fused_min_bytes = (FUSED_MIN_BYTES if attention == "auto" and self.device.type == "cpu"
+                                else None)
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],
@@ -54,5 +58,6 @@ class ModelRunner:
         """The forward alone (what every rank of a tensor-parallel group runs)."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        attn = PagedAttention(self.layers, seqs, self.scale, self.in_place, self.workspace)
+        attn = PagedAttention(self.layers, seqs, self.scale, self.in_place, self.workspace,
+                              fused_min_bytes=self.fused_min_bytes)
         return self.forward.forward(ids, pos, attn)

@@ -23,7 +23,7 @@ from engine.cost_model import (LinearCost, LinearStepCost, TableCost, TableStepC
 from engine.kv_cache import blocks_needed
 
 CONTEXT = 64                      # cached tokens per sequence while timing
-VERSION = 4                       # bump when the forward's speed changes (kernels, layout)
+VERSION = 5                       # bump when the forward's speed changes (kernels, layout)
 SEQS = (1, 2, 4, 8, 16, 32)                     # batch sizes timed
 TOKENS_PER_SEQ = (1, 2, 3, 5, 8)                 # query tokens per sequence (1 + k)
 GRID = [(n, q) for n in SEQS for q in TOKENS_PER_SEQ]
@@ -35,7 +35,7 @@ def _key(engine) -> str:
     parts = [str(Path(c.target).resolve()), str(c.draft and Path(c.draft).resolve()),
              str(engine.target_fw.dtype),
              c.device, str(c.num_threads), str(c.tp_size), torch.__version__, platform.processor(),
-             str(os.cpu_count()), engine.target_fw.kernel, str(VERSION)]
+             str(os.cpu_count()), engine.target_fw.kernel, c.attention, str(VERSION)]
     for folder in filter(None, [c.target, c.draft]):
         for f in sorted(Path(folder).glob("*.safetensors")):
             parts.append(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}")

@@ -46,12 +46,12 @@ class TPWorker:
     """Rank r > 0: a shard of the target and a KV pool with rank 0's layout and block ids."""
 
     def __init__(self, rank: int, world: int, init_method: str, target: str, dtype: str,
-                 device: str, num_threads: int = 1):
+                 device: str, num_threads: int = 1, attention: str = "auto"):
         torch.set_num_threads(num_threads)
         all_reduce = init_tp(rank, world, init_method, device)
         model = load_model(target, dtype, device)
         self.forward = LlamaForward(model.model, rank, world, all_reduce)
-        self.device = device
+        self.device, self.attention = device, attention
         del model
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
@@ -67,7 +67,8 @@ class TPWorker:
                               self.forward.dtype, self.device)
         assert self.pool.num_blocks == num_blocks
         assert self.pool.target.tokens_per_block == tokens_per_block
-        self.runner = ModelRunner(self.forward, self.pool.view(self.pool.target))
+        self.runner = ModelRunner(self.forward, self.pool.view(self.pool.target),
+                                  attention=self.attention)
 
     def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple]) -> None:
         if self.runner is None:
@@ -94,14 +95,14 @@ class LocalPeers:
     """Ranks 1..N-1 as local processes (spawned), driven over pipes. Implements `Peers`."""
 
     def __init__(self, world: int, target: str, dtype: str = "float32", device: str = "cpu",
-                 port: int = 29511):
+                 port: int = 29511, attention: str = "auto"):
         self.init_method = f"tcp://127.0.0.1:{port}"
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(1, world):
             parent, child = ctx.Pipe()
             kwargs = dict(rank=rank, world=world, init_method=self.init_method, target=target,
-                          dtype=dtype, device=device)
+                          dtype=dtype, device=device, attention=attention)
             proc = ctx.Process(target=_serve, args=(child, kwargs), daemon=True)
             proc.start()
             self.conns.append(parent)

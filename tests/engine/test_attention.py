@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import PagedAttention, SeqSlice
+from engine.attention import VERIFY_MAX, PagedAttention, SeqSlice
+from engine.cpu_attention import paged_attention
 from engine.kv_cache import BlockPool
 
 HEADS, KV_HEADS, D, LAYERS = 4, 2, 16, 2
@@ -60,8 +61,8 @@ PLANS = {
 @pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("layout", ["target", "draft"])
 @pytest.mark.parametrize("scattered", [False, True])
-@pytest.mark.parametrize("per_sequence", [False, None])
-def test_batched_equals_per_sequence(dtype, plan, layout, scattered, per_sequence):
+@pytest.mark.parametrize("per_sequence,fused", [(False, False), (None, False), (None, True)])
+def test_batched_equals_per_sequence(dtype, plan, layout, scattered, per_sequence, fused):
     rng = random.Random(hash((plan, layout, scattered)) % 1000)
     torch.manual_seed(0)
     pool = _pool(dtype, draft=layout == "draft")
@@ -77,9 +78,14 @@ def test_batched_equals_per_sequence(dtype, plan, layout, scattered, per_sequenc
             view[b, o].normal_()
     total = sum(s.num_query for s in seqs)
     scale = D ** -0.5
-    attn = PagedAttention(layers, seqs, scale, pool.evenly_strided(lay), {}, per_sequence)
+    attn = PagedAttention(layers, seqs, scale, pool.evenly_strided(lay), {}, per_sequence,
+                          0 if fused else None)
     if per_sequence is False:
         assert len(attn.groups) <= 3            # one call per query-length group
+    if fused:      # every decode/verify group of several sequences runs the in-place kernel
+        kinds = [0 if nq == 1 else 1 if nq <= VERIFY_MAX else 2 for _, nq in PLANS[plan]]
+        expect = sum(1 for kind in (0, 1) if kinds.count(kind) > 1) * (dtype == torch.float32)
+        assert sum(g.fused for g in attn.groups) == expect, plan
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for layer in range(lay.num_layers):
         q = torch.randn(total, HEADS, D, dtype=dtype)
@@ -97,3 +103,30 @@ def test_batched_equals_per_sequence(dtype, plan, layout, scattered, per_sequenc
             start += s.num_query
         ref = reference(kc, vc, seqs, q, scale)
         assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol), plan
+    assert paged_attention.failed is None       # the kernel built here: no silent fallback
+
+
+def test_fused_kernel_only_where_the_gather_would_be_large():
+    """With several threads the fused kernel takes a decode/verify group only once its gather
+    would copy fused_min_bytes (below that, gather + SDPA in cache is faster); with one thread,
+    always; prefill chunks and single sequences never."""
+    pool = _pool(torch.float32)
+    view = pool.view(pool.target)
+    layers = [(view[:, :, i, 0], view[:, :, i, 1]) for i in range(LAYERS)]
+    seqs = _case(pool, pool.target, [(30, 1)] * 4 + [(0, 20), (0, 30)], random.Random(0), False)
+    gathered = 2 * 4 * 31 * KV_HEADS * D * 4           # K and V, 4 sequences padded to 31 keys
+
+    def fused(min_bytes, per_sequence=False, s=seqs):
+        attn = PagedAttention(layers, s, D ** -0.5, True, {}, per_sequence, min_bytes)
+        return sorted((g.qmax, g.fused) for g in attn.groups)
+
+    assert fused(gathered) == [(1, True), (30, False)]
+    assert fused(gathered + 1) == [(1, False), (30, False)]
+    assert fused(None) == [(1, False), (30, False)]
+    assert (1, True) in fused(gathered + 1, per_sequence=True)    # one thread: always
+    assert fused(0, s=seqs[:1]) == [(1, False)]                   # a single sequence: in place
+    bf16 = _pool(torch.bfloat16)
+    view = bf16.view(bf16.target)
+    layers[:] = [(view[:, :, i, 0], view[:, :, i, 1]) for i in range(LAYERS)]
+    seqs = _case(bf16, bf16.target, [(30, 1)] * 4, random.Random(0), False)
+    assert fused(0, s=seqs) == [(1, False)]          # bf16 keeps SDPA (greedy identity)
