@@ -28,10 +28,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Shapes vary with every step (batch, keys, pool); these dims are compiled once as symbols. The
-# head dimension, dtype and whether heads are grouped (GQA) stay static: one kernel per
-# (dtype, head_dim, one query or several) and model shape family.
-_DYNAMIC = ((0, 1, 2, 3), (0, 1), (0, 1), (0, 1), (0, 1, 2))
+# Shapes vary with every step (batch, query tokens, blocks, pool size); these dims are compiled
+# once as symbols. The model's own (KV heads, group, head dim, tokens per block) and the dtype
+# stay static, so loops over them are unrolled and vectorised (1.77 against 1.9 ms a layer with
+# them symbolic): one kernel per model shape, and one for decode (one query) and for several.
+_DYNAMIC = ((0, 1), (0,), (0,), (0, 1), (0, 1, 2))      # q, k, v, blocks, mask
 _RECOMPILE_LIMIT = 64            # each model shape and dtype a process serves is one entry
 
 
@@ -52,21 +53,29 @@ def last_level_cache_bytes(default: int = 32 << 20) -> int:
 FUSED_MIN_BYTES = last_level_cache_bytes() // 4
 
 
-def _paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, keys: torch.Tensor,
+def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
            mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [b, nq, kv_heads, group, d]; k_pool, v_pool [pool_tokens, kv_heads, d]; keys [b, lk]
-    token indices into the pools; mask [b, nq, lk] (True: visible) -> [b, nq, kv_heads, group, d].
+    """q [b, nq, kv_heads, group, d]; k_cache, v_cache [num_blocks, tpb, kv_heads, d] (one
+    layer of the pool); blocks [b, nb] each sequence's blocks in order; mask [b, nq, nb * tpb]
+    (True: visible) -> [b, nq, kv_heads, group, d].
 
-    Softmax is written out (max, exp, sum) so that the exponentials are computed once and the
-    normalisation is applied to the output rows, not inside the weighted sum's inner loop.
+    Keys and values are read block by block: the weighted sum over values is reduced within a
+    block first (its tpb rows stay in L1 while every head and lane of them is used), then over
+    blocks; reducing over all keys at once swept each value row once per 8 lanes of every head
+    (1.3 against 2.0-2.3 ms a layer at batch 32, 224 keys). Softmax is written out so that the
+    exponentials are computed once and the normalisation applies to the output rows. Masked
+    slots get weight 0; they hold finite values (the pool zeroes blocks it hands out), so 0 * v
+    is 0.
     """
-    k = k_pool[keys].float()                                                 # [b, lk, kvh, d]
-    s = (q.float()[:, :, None] * k[:, None, :, :, None]).sum(-1) * scale     # [b, nq, lk, kvh, g]
-    s = s.masked_fill(~mask[:, :, :, None, None], float("-inf"))
+    b, nq, kv_heads, group, _ = q.shape
+    nb, tpb = blocks.shape[1], k_cache.shape[1]
+    k = k_cache[blocks].float()                                           # [b, nb, tpb, kvh, d]
+    s = (q.float()[:, :, None, None] * k[:, None, :, :, :, None]).sum(-1) * scale
+    s = s.flatten(2, 3).masked_fill(~mask[:, :, :, None, None], float("-inf"))  # [b, nq, keys, kvh, g]
     e = torch.exp(s - s.amax(2, keepdim=True))
-    v = v_pool[keys].float()
-    o = (e[..., None] * v[:, None, :, :, None]).sum(2)                       # [b, nq, kvh, g, d]
-    return (o / e.sum(2)[..., None]).to(q.dtype)
+    v = v_cache[blocks].float()
+    part = (e.view(b, nq, nb, tpb, kv_heads, group)[..., None] * v[:, None, :, :, :, None]).sum(3)
+    return (part.sum(2) / e.sum(2)[..., None]).to(q.dtype)                # [b, nq, kvh, g, d]
 
 
 class _Kernel:
@@ -78,7 +87,7 @@ class _Kernel:
     def enabled(self) -> bool:
         return self.failed is None
 
-    def __call__(self, q, k_pool, v_pool, keys, mask, scale: float) -> torch.Tensor | None:
+    def __call__(self, q, k_cache, v_cache, blocks, mask, scale: float) -> torch.Tensor | None:
         """The attention output, or None where the kernel cannot be built here (then the caller
         uses its gather + SDPA path; the reason is logged once and kept in `failed`)."""
         if self.failed is not None:
@@ -94,10 +103,10 @@ class _Kernel:
                         limit = getattr(self._dynamo.config, "recompile_limit", 8)
                         self._dynamo.config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
                         self._fn = torch.compile(_paged, dynamic=False, fullgraph=True)
-            for t, dims in zip((q, k_pool, v_pool, keys, mask), _DYNAMIC):
+            for t, dims in zip((q, k_cache, v_cache, blocks, mask), _DYNAMIC):
                 for dim in dims:
                     self._dynamo.maybe_mark_dynamic(t, dim)
-            return self._fn(q, k_pool, v_pool, keys, mask, scale)
+            return self._fn(q, k_cache, v_cache, blocks, mask, scale)
         except Exception as e:                           # no compiler, unsupported platform
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log.warning("fused CPU paged attention unavailable (%s); using gather + SDPA",

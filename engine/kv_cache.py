@@ -87,14 +87,17 @@ class BlockPool:
         self.used_by = {"target": 0, "draft": 0}
 
     def view(self, layout: KVLayout) -> torch.Tensor:
-        """[num_blocks, tokens_per_block, num_layers, 2, num_kv_heads, head_dim], sharing `pool`."""
+        """[num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim], sharing `pool`.
+        Layer-major inside a block: one layer's keys (or values) of a block are contiguous, so
+        attention reads a block as one run of memory."""
         return self.pool[:, :layout.elems_per_block].view(
-            self.num_blocks, layout.tokens_per_block, layout.num_layers, 2,
+            self.num_blocks, layout.num_layers, 2, layout.tokens_per_block,
             layout.num_kv_heads, layout.head_dim)
 
-    def evenly_strided(self, layout: KVLayout) -> bool:
-        """Consecutive blocks hold evenly spaced tokens (so they can be read in place)."""
-        return layout.elems_per_block == self.block_elems
+    def layers(self, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V), each [num_blocks, tokens_per_block, num_kv_heads, head_dim]."""
+        view = self.view(layout)
+        return [(view[:, i, 0], view[:, i, 1]) for i in range(layout.num_layers)]
 
     # ---- allocation -------------------------------------------------------------------------
     def allocate(self, n: int, owner: str, after: int | None = None) -> list[int]:
@@ -114,6 +117,13 @@ class BlockPool:
             blocks = self._scattered(n, 0 if after is None else after + 1)
         for b in blocks:
             self._free[b] = 0
+        # Handed out zeroed: a slot is read before it is written only under a zero weight
+        # (attention reading whole blocks, engine/cpu_attention.py), and 0 * v must be 0, which
+        # uninitialised memory or a stale NaN would break (and leak across requests).
+        if n == 1:
+            self.pool[blocks[0]].zero_()
+        else:
+            self.pool.index_fill_(0, torch.tensor(blocks, device=self.pool.device), 0)
         self.num_free -= n
         self.used_by[owner] += n
         return blocks

@@ -64,10 +64,8 @@ class LLMEngine:
         pool = self.pool
         if peers is not None:     # ranks 1..N-1 take this layout; they never re-derive it
             peers.configure_pool(pool.target.tokens_per_block, pool.num_blocks)
-        self.target = ModelRunner(self.target_fw, pool.view(pool.target),
-                                  pool.evenly_strided(pool.target), peers, config.attention)
-        self.draft = (ModelRunner(self.draft_fw, pool.view(pool.draft), pool.evenly_strided(pool.draft),
-                                  attention=config.attention)
+        self.target = ModelRunner(self.target_fw, pool.layers(pool.target), peers, config.attention)
+        self.draft = (ModelRunner(self.draft_fw, pool.layers(pool.draft), attention=config.attention)
                       if self.draft_fw else None)
         self.faults = Faults() if config.fault_injection else None    # test-only hook
         if self.faults is not None:
@@ -309,8 +307,7 @@ class LLMEngine:
         new, forward = loaded
         self.draft_model, self.draft_fw = new, forward
         pool = self.pool
-        self.draft = ModelRunner(forward, pool.view(pool.draft), pool.evenly_strided(pool.draft),
-                                 attention=self.config.attention)
+        self.draft = ModelRunner(forward, pool.layers(pool.draft), attention=self.config.attention)
         for seq in self.seqs.values():
             self.scheduler.reset_draft(seq)
         self.acceptance.reset()

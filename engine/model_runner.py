@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from engine.attention import PagedAttention, SeqSlice
-from engine.cpu_attention import FUSED_MIN_BYTES
+from engine.cpu_attention import FUSED_MIN_BYTES, paged_attention
 
 
 class Peers(Protocol):
@@ -27,19 +27,35 @@ class Peers(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, forward, kv_view: torch.Tensor, in_place: bool = True,
+    def __init__(self, forward, layers: list[tuple[torch.Tensor, torch.Tensor]],
                  peers: Peers | None = None, attention: str = "auto"):
         self.forward = forward            # models.llama.LlamaForward
-        # kv_view: [num_blocks, tokens_per_block, layers, 2, kv_heads, d] -> per layer (K, V)
-        self.layers = [(kv_view[:, :, i, 0], kv_view[:, :, i, 1]) for i in range(kv_view.shape[2])]
-        self.in_place = in_place          # consecutive blocks can be read without a gather
+        self.layers = layers              # per layer (K, V) views of the pool (BlockPool.layers)
         self.peers = peers
         self.scale = forward.shape.head_dim ** -0.5
         self.device = forward.device
         self.workspace: dict = {}         # attention's gather buffers, reused across steps
         # The fused in-place kernel (engine/cpu_attention.py) for decode and verify groups on CPU.
         self.fused_min_bytes = (FUSED_MIN_BYTES if attention == "auto" and self.device.type == "cpu"
-                                else None)
+                                and layers[0][0].dtype == torch.float32 else None)
+        if self.fused_min_bytes is not None:
+            self._build_fused()
+
+    @torch.inference_mode()
+    def _build_fused(self) -> None:
+        """Compile the fused kernel for this model's shapes now (decode, and verify's several
+        query tokens), not in the middle of the first large batch: a cold compile takes ~10 s
+        (then inductor's on-disk cache brings it to ~1-2 s a process)."""
+        k_cache, v_cache = self.layers[0]
+        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+        group = self.forward.shape.num_heads // kv_heads
+        blocks = torch.zeros(2, 2, dtype=torch.long, device=self.device)
+        for num_query in (1, 2):
+            q = torch.zeros(2, num_query, kv_heads, group, d, dtype=k_cache.dtype, device=self.device)
+            mask = torch.ones(2, num_query, 2 * k_cache.shape[1], dtype=torch.bool, device=self.device)
+            if paged_attention(q, k_cache, v_cache, blocks, mask, self.scale) is None:
+                self.fused_min_bytes = None          # cannot build it here: gather + SDPA
+                return
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],
@@ -58,6 +74,6 @@ class ModelRunner:
         """The forward alone (what every rank of a tensor-parallel group runs)."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        attn = PagedAttention(self.layers, seqs, self.scale, self.in_place, self.workspace,
+        attn = PagedAttention(self.layers, seqs, self.scale, self.workspace,
                               fused_min_bytes=self.fused_min_bytes)
         return self.forward.forward(ids, pos, attn)

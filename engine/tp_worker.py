@@ -67,7 +67,7 @@ class TPWorker:
                               self.forward.dtype, self.device)
         assert self.pool.num_blocks == num_blocks
         assert self.pool.target.tokens_per_block == tokens_per_block
-        self.runner = ModelRunner(self.forward, self.pool.view(self.pool.target),
+        self.runner = ModelRunner(self.forward, self.pool.layers(self.pool.target),
                                   attention=self.attention)
 
     def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple]) -> None:

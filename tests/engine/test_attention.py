@@ -61,29 +61,32 @@ PLANS = {
 @pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("layout", ["target", "draft"])
 @pytest.mark.parametrize("scattered", [False, True])
-@pytest.mark.parametrize("per_sequence,fused", [(False, False), (None, False), (None, True)])
-def test_batched_equals_per_sequence(dtype, plan, layout, scattered, per_sequence, fused):
+@pytest.mark.parametrize("fused", [False, True])
+def test_batched_equals_per_sequence(dtype, plan, layout, scattered, fused):
     rng = random.Random(hash((plan, layout, scattered)) % 1000)
     torch.manual_seed(0)
     pool = _pool(dtype, draft=layout == "draft")
     lay = pool.target if layout == "target" else pool.draft
-    view = pool.view(lay)
-    layers = [(view[:, :, i, 0], view[:, :, i, 1]) for i in range(lay.num_layers)]
-    seqs = _case(pool, lay, PLANS[plan], rng, scattered)
-    # Slots never written hold NaN (as uninitialised memory may): attention must not read them.
+    layers = pool.layers(lay)
+    # Memory holds NaN before its blocks are handed out (as uninitialised memory or a stale NaN
+    # may): attention must not read it, or (whole-block readers) must read it zeroed.
     pool.pool.fill_(float("nan"))
+    seqs = _case(pool, lay, PLANS[plan], rng, scattered)
     for s in seqs:
         for pos in range(s.num_cached):
             b, o = s.block_table[pos // lay.tokens_per_block], pos % lay.tokens_per_block
-            view[b, o].normal_()
+            pool.view(lay)[b, :, :, o].normal_()           # every layer's K and V
     total = sum(s.num_query for s in seqs)
     scale = D ** -0.5
-    attn = PagedAttention(layers, seqs, scale, pool.evenly_strided(lay), {}, per_sequence,
-                          0 if fused else None)
-    if per_sequence is False:
-        assert len(attn.groups) <= 3            # one call per query-length group
+    attn = PagedAttention(layers, seqs, scale, {}, None, 0 if fused else None)
+    # One call per query-length group, except prefill chunks starting fresh, which attend alone
+    # to their own new keys.
+    kinds = [0 if nq == 1 else 1 if nq <= VERIFY_MAX else 2 for _, nq in PLANS[plan]]
+    long = [c for (c, _), kind in zip(PLANS[plan], kinds) if kind == 2]
+    calls = (len({kind for kind in kinds if kind < 2}) + (len(long) > 1) * sum(c == 0 for c in long)
+             + (1 if long and (len(long) == 1 or any(c > 0 for c in long)) else 0))
+    assert len(attn.groups) == calls, plan
     if fused:      # every decode/verify group of several sequences runs the in-place kernel
-        kinds = [0 if nq == 1 else 1 if nq <= VERIFY_MAX else 2 for _, nq in PLANS[plan]]
         expect = sum(1 for kind in (0, 1) if kinds.count(kind) > 1) * (dtype == torch.float32)
         assert sum(g.fused for g in attn.groups) == expect, plan
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -111,22 +114,20 @@ def test_fused_kernel_only_where_the_gather_would_be_large():
     would copy fused_min_bytes (below that, gather + SDPA in cache is faster); with one thread,
     always; prefill chunks and single sequences never."""
     pool = _pool(torch.float32)
-    view = pool.view(pool.target)
-    layers = [(view[:, :, i, 0], view[:, :, i, 1]) for i in range(LAYERS)]
+    layers = pool.layers(pool.target)
     seqs = _case(pool, pool.target, [(30, 1)] * 4 + [(0, 20), (0, 30)], random.Random(0), False)
     gathered = 2 * 4 * 31 * KV_HEADS * D * 4           # K and V, 4 sequences padded to 31 keys
 
-    def fused(min_bytes, per_sequence=False, s=seqs):
-        attn = PagedAttention(layers, s, D ** -0.5, True, {}, per_sequence, min_bytes)
+    def fused(min_bytes, one_thread=False, s=seqs):
+        attn = PagedAttention(layers, s, D ** -0.5, {}, one_thread, min_bytes)
         return sorted((g.qmax, g.fused) for g in attn.groups)
 
-    assert fused(gathered) == [(1, True), (30, False)]
-    assert fused(gathered + 1) == [(1, False), (30, False)]
-    assert fused(None) == [(1, False), (30, False)]
-    assert (1, True) in fused(gathered + 1, per_sequence=True)    # one thread: always
+    assert fused(gathered) == [(1, True), (20, False), (30, False)]
+    assert fused(gathered + 1) == [(1, False), (20, False), (30, False)]
+    assert fused(None) == [(1, False), (20, False), (30, False)]
+    assert (1, True) in fused(gathered + 1, one_thread=True)      # one thread: always
     assert fused(0, s=seqs[:1]) == [(1, False)]                   # a single sequence: in place
     bf16 = _pool(torch.bfloat16)
-    view = bf16.view(bf16.target)
-    layers[:] = [(view[:, :, i, 0], view[:, :, i, 1]) for i in range(LAYERS)]
+    layers[:] = bf16.layers(bf16.target)
     seqs = _case(bf16, bf16.target, [(30, 1)] * 4, random.Random(0), False)
     assert fused(0, s=seqs) == [(1, False)]          # bf16 keeps SDPA (greedy identity)

@@ -21,9 +21,8 @@ pytestmark = [pytest.mark.gpu,
 def test_cuda_attention_equals_per_sequence(dtype, plan):
     torch.manual_seed(0)
     pool = BlockPool(4 << 20, (2, 2, 64), 16, dtype, "cuda")
-    view = pool.view(pool.target)
     pool.pool.normal_()
-    layers = [(view[:, :, i, 0], view[:, :, i, 1]) for i in range(2)]
+    layers = pool.layers(pool.target)
     seqs = [SeqSlice(pool.allocate(-(-(c + q) // 16), "target"), c, q) for c, q in PLANS[plan]]
     total = sum(s.num_query for s in seqs)
     attn = PagedAttention(layers, seqs, 64 ** -0.5)

@@ -14,14 +14,13 @@ def _setup(path):
     fw = LlamaForward(m.model)
     s = fw.shape
     pool = BlockPool(4 << 20, (s.num_layers, s.num_kv_heads, s.head_dim), 4, torch.float32, "cpu")
-    view = pool.view(pool.target)
-    layers = [(view[:, :, i, 0], view[:, :, i, 1]) for i in range(s.num_layers)]
-    return m, fw, pool, layers, s.head_dim ** -0.5
+    return m, fw, pool, pool.layers(pool.target), s.head_dim ** -0.5
 
 
-@pytest.mark.parametrize("in_place", [True, False])
-def test_prefill_then_ragged_decode_matches_transformers(tiny_family, in_place):
-    """In place (consecutive blocks read as a view) and gathered give the same logits."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_prefill_then_ragged_decode_matches_transformers(tiny_family, fused):
+    """Gather + SDPA and the fused in-place kernel (decode/verify groups) give the same logits."""
+    fused_min_bytes = 0 if fused else None
     m, fw, pool, view, scale = _setup(tiny_family["target"])
     torch.manual_seed(0)
     ids = torch.randint(1, 300, (3, 13))
@@ -30,7 +29,8 @@ def test_prefill_then_ragged_decode_matches_transformers(tiny_family, in_place):
     tables = [pool.allocate(4, "target") for _ in range(3)]
     tables[1] = tables[1][::-1]                                     # one table out of order
     lens = [9, 5, 12]                                               # prefill lengths differ
-    attn = PagedAttention(view, [SeqSlice(t, 0, n) for t, n in zip(tables, lens)], scale, in_place)
+    attn = PagedAttention(view, [SeqSlice(t, 0, n) for t, n in zip(tables, lens)], scale,
+                          fused_min_bytes=fused_min_bytes)
     flat = torch.cat([ids[i, :n] for i, n in enumerate(lens)])
     pos = torch.cat([torch.arange(n) for n in lens])
     logits = fw.logits(fw.forward(flat, pos, attn))
@@ -41,7 +41,8 @@ def test_prefill_then_ragged_decode_matches_transformers(tiny_family, in_place):
     # Then a verify-like step: 4, 1 and 1 query tokens.
     more = [4, 1, 1]
     attn = PagedAttention(view, [SeqSlice(t, n, q) for t, n, q in zip(tables, lens, more)], scale,
-                          in_place)
+                          fused_min_bytes=fused_min_bytes)
+    assert any(g.fused for g in attn.groups) == fused
     flat = torch.cat([ids[i, n:n + q] for i, (n, q) in enumerate(zip(lens, more))])
     pos = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, more)])
     logits = fw.logits(fw.forward(flat, pos, attn))
