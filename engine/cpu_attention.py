@@ -2,14 +2,14 @@
 
 Owns: the kernel that attends a group of sequences (decode or verify rows) to keys and values
 read where they lie in the paged pool, and the decision whether this process can build it. Does
-not own: the per-forward metadata (`engine/attention.py` builds the token table and the mask).
+not own: the per-forward metadata (`engine/attention.py` builds the block table and the mask).
 
-Why: SDPA needs each sequence's keys contiguous, so the batched path first gathered them out of
-the pool into a padded buffer: at batch 32 that copy (read + write) cost more than attention
-itself, on memory bandwidth (gather 1.56 + SDPA 1.25 ms a layer against 1.5 ms for this kernel,
-reference-py, 2 threads; see notes/issue10.md). Written as plain tensor ops over an indexed view
-of the pool, inductor fuses the indexing into the reductions: the keys are read once, in place,
-never copied. Its C++ is generated and compiled by torch (needs a C++ compiler, as inductor
+Why: SDPA needs each sequence's keys contiguous, so the batched path first copies them out of
+the pool into a padded buffer: once that buffer outgrows the cache, the copy (read + write) and
+SDPA's second read cost more than attention itself (batch-32 decode at context ~220,
+reference-py, 2 threads: 74-75 ms a step with gather + SDPA, 57-62 with this kernel; see
+notes/issue10.md). Written as plain tensor ops over an indexed view of the pool, inductor fuses
+the indexing into the reductions: keys and values are read once, in place, never copied. Its C++ is generated and compiled by torch (needs a C++ compiler, as inductor
 does); where building it fails the engine keeps the gather + SDPA path and says so once.
 
 Numerics: scores, softmax and the weighted sum run in float32, so rows agree with SDPA's at the
