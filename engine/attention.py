@@ -69,6 +69,11 @@ class _Group:
         # slot holds a finite value (the pool zeroes the blocks it hands out), so weight 0 * v
         # is 0 whichever path reads it.
         nb = -(-self.lk // tpb)
+        if fused:
+            # At least two blocks: torch.compile specialises a dimension of size 1, and a new
+            # specialisation is a compile (seconds) in the middle of serving (a TP rank that
+            # compiled missed its liveness ping). The padding block is masked.
+            nb = max(nb, 2)
         self.blocks = torch.tensor([s.block_table[:nb] + s.block_table[:1] * (nb - len(s.block_table[:nb]))
                                     for s in ss], dtype=torch.long, device=device)
         if len(ss) == 1:

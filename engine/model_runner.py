@@ -45,14 +45,17 @@ class ModelRunner:
     def _build_fused(self) -> None:
         """Compile the fused kernel for this model's shapes now (decode, and verify's several
         query tokens), not in the middle of the first large batch: a cold compile takes ~10 s
-        (then inductor's on-disk cache brings it to ~1-2 s a process)."""
+        (then inductor's on-disk cache brings it to ~1-2 s a process). Sizes are distinct and
+        above 1 (3 sequences, 2 blocks, 5 query tokens): torch.compile specialises a size of 1
+        (and may tie equal sizes to one symbol), which would mean another compile while serving. Groups
+        always bring >= 2 sequences and >= 2 blocks (engine/attention.py)."""
         k_cache, v_cache = self.layers[0]
         kv_heads, d = k_cache.shape[2], k_cache.shape[3]
         group = self.forward.shape.num_heads // kv_heads
-        blocks = torch.zeros(2, 2, dtype=torch.long, device=self.device)
-        for num_query in (1, 2):
-            q = torch.zeros(2, num_query, kv_heads, group, d, dtype=k_cache.dtype, device=self.device)
-            mask = torch.ones(2, num_query, 2 * k_cache.shape[1], dtype=torch.bool, device=self.device)
+        blocks = torch.zeros(3, 2, dtype=torch.long, device=self.device)
+        for num_query in (1, 5):
+            q = torch.zeros(3, num_query, kv_heads, group, d, dtype=k_cache.dtype, device=self.device)
+            mask = torch.ones(3, num_query, 2 * k_cache.shape[1], dtype=torch.bool, device=self.device)
             if paged_attention(q, k_cache, v_cache, blocks, mask, self.scale) is None:
                 self.fused_min_bytes = None          # cannot build it here: gather + SDPA
                 return

@@ -65,3 +65,31 @@ def test_draft_view_shares_the_pool(tiny_family):
     assert pool.bytes_used("draft") == 3 * pool.block_bytes
     pool.free(blocks, "draft")
     assert pool.bytes_used("draft") == 0 and pool.num_free == pool.num_blocks
+
+
+def test_the_fused_kernel_never_compiles_while_serving(tiny_family):
+    """The runner compiles the fused kernel at start; afterwards no batch shape (sequences,
+    blocks, query tokens, a context under one block) may compile again: a compile takes seconds
+    mid-step (a TP rank that compiled missed its liveness ping and took its replica down)."""
+    from torch._dynamo.utils import counters
+
+    from engine.model_runner import ModelRunner
+    m, fw, pool, layers, scale = _setup(tiny_family["target"])
+    runner = ModelRunner(fw, layers)
+    assert runner.fused_min_bytes is not None
+    runner.fused_min_bytes = 0                   # every decode/verify group of >= 2 runs fused
+    compiled = counters["stats"]["unique_graphs"]
+    tpb = pool.target.tokens_per_block
+    rng = torch.Generator().manual_seed(0)
+    for batch, context, query in [(2, 1, 1), (2, 2, 2), (3, 9, 1), (4, 3 * tpb + 1, 4), (2, 2, 3),
+                                  (5, 2 * tpb, 7), (2, tpb - 1, 1), (6, 1, 2)]:
+        tables = [pool.allocate(-(-(context + query) // tpb), "target") for _ in range(batch)]
+        seqs = [SeqSlice(t, context, query) for t in tables]
+        ids = torch.randint(1, 300, (batch * query,), generator=rng).tolist()
+        pos = [context + j for _ in range(batch) for j in range(query)]
+        attn_groups = PagedAttention(layers, seqs, scale, fused_min_bytes=0).groups
+        assert all(g.fused for g in attn_groups), (batch, context, query)
+        runner.run(seqs, ids, pos, [0])
+        for t in tables:
+            pool.free(t, "target")
+    assert counters["stats"]["unique_graphs"] == compiled
