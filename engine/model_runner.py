@@ -28,7 +28,7 @@ class Peers(Protocol):
 
 class ModelRunner:
     def __init__(self, forward, layers: list[tuple[torch.Tensor, torch.Tensor]],
-                 peers: Peers | None = None, attention: str = "auto"):
+                 peers: Peers | None = None, attention: str = "sdpa"):
         self.forward = forward            # models.llama.LlamaForward
         self.layers = layers              # per layer (K, V) views of the pool (BlockPool.layers)
         self.peers = peers
@@ -36,7 +36,7 @@ class ModelRunner:
         self.device = forward.device
         self.workspace: dict = {}         # attention's gather buffers, reused across steps
         # The fused in-place kernel (engine/cpu_attention.py) for decode and verify groups on CPU.
-        self.fused_min_bytes = (FUSED_MIN_BYTES if attention == "auto" and self.device.type == "cpu"
+        self.fused_min_bytes = (FUSED_MIN_BYTES if attention == "fused" and self.device.type == "cpu"
                                 and layers[0][0].dtype == torch.float32 else None)
         if self.fused_min_bytes is not None:
             self._build_fused()

@@ -75,7 +75,7 @@ def test_the_fused_kernel_never_compiles_while_serving(tiny_family):
 
     from engine.model_runner import ModelRunner
     m, fw, pool, layers, scale = _setup(tiny_family["target"])
-    runner = ModelRunner(fw, layers)
+    runner = ModelRunner(fw, layers, attention="fused")
     assert runner.fused_min_bytes is not None
     runner.fused_min_bytes = 0                   # every decode/verify group of >= 2 runs fused
     compiled = counters["stats"]["unique_graphs"]
