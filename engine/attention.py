@@ -11,8 +11,8 @@ replaced scattered every token's row across all layers, and attention ran ~1.5x 
 
 Queries arrive flat, `[num_tokens, num_heads, head_dim]`, sequence after sequence. Sequences are
 grouped by how many query tokens they bring (decode: 1; verify: 2..VERIFY_MAX; prefill chunks:
-more), and each group is ONE attention call per layer. On CPU, decode and verify groups of
-several float32 sequences run one fused kernel (`engine/cpu_attention.py`) that reads their
+more), and each group is ONE attention call per layer. With `attention: fused` (opt-in, CPU),
+large decode and verify groups of float32 sequences run one fused kernel (`engine/cpu_attention.py`) that reads their
 blocks in place through a block table and a per-row mask (key j is visible to query i of
 sequence b iff j <= cached_b + i). Otherwise the group's blocks are copied (block by block,
 into a reused buffer) into a padded `[batch, keys]` view and one batched SDPA runs with the

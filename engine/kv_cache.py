@@ -117,9 +117,10 @@ class BlockPool:
             blocks = self._scattered(n, 0 if after is None else after + 1)
         for b in blocks:
             self._free[b] = 0
-        # Handed out zeroed: a slot is read before it is written only under a zero weight
-        # (attention reading whole blocks, engine/cpu_attention.py), and 0 * v must be 0, which
-        # uninitialised memory or a stale NaN would break (and leak across requests).
+        # Handed out zeroed: attention reads whole blocks (the block gather for SDPA and the fused
+        # kernel alike), so slots past a sequence's end are read under a zero weight, and 0 * v
+        # must be 0, which uninitialised memory or a stale NaN would break (and leak across
+        # requests).
         if n == 1:
             self.pool[blocks[0]].zero_()
         else:

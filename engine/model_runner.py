@@ -35,7 +35,8 @@ class ModelRunner:
         self.scale = forward.shape.head_dim ** -0.5
         self.device = forward.device
         self.workspace: dict = {}         # attention's gather buffers, reused across steps
-        # The fused in-place kernel (engine/cpu_attention.py) for decode and verify groups on CPU.
+        # attention "fused" (opt-in): the in-place kernel (engine/cpu_attention.py) for large
+        # decode and verify groups on CPU; None: gather + SDPA everywhere.
         self.fused_min_bytes = (FUSED_MIN_BYTES if attention == "fused" and self.device.type == "cpu"
                                 and layers[0][0].dtype == torch.float32 else None)
         if self.fused_min_bytes is not None:
@@ -47,8 +48,8 @@ class ModelRunner:
         query tokens), not in the middle of the first large batch: a cold compile takes ~10 s
         (then inductor's on-disk cache brings it to ~1-2 s a process). Sizes are distinct and
         above 1 (3 sequences, 2 blocks, 5 query tokens): torch.compile specialises a size of 1
-        (and may tie equal sizes to one symbol), which would mean another compile while serving. Groups
-        always bring >= 2 sequences and >= 2 blocks (engine/attention.py)."""
+        (and may tie equal sizes to one symbol), which would mean another compile while
+        serving. Groups always bring >= 2 sequences and >= 2 blocks (engine/attention.py)."""
         k_cache, v_cache = self.layers[0]
         kv_heads, d = k_cache.shape[2], k_cache.shape[3]
         group = self.forward.shape.num_heads // kv_heads
