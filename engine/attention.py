@@ -11,19 +11,22 @@ replaced scattered every token's row across all layers, and attention ran ~1.5x 
 
 Queries arrive flat, `[num_tokens, num_heads, head_dim]`, sequence after sequence. Sequences are
 grouped by how many query tokens they bring (decode: 1; verify: 2..VERIFY_MAX; prefill chunks:
-more), and each group is ONE attention call per layer. With `attention: fused` (opt-in, CPU),
-large decode and verify groups of float32 sequences run one fused kernel (`engine/cpu_attention.py`) that reads their
-blocks in place through a block table and a per-row mask (key j is visible to query i of
-sequence b iff j <= cached_b + i). Otherwise the group's blocks are copied (block by block,
-into a reused buffer) into a padded `[batch, keys]` view and one batched SDPA runs with the
-same mask; a sequence's first prefill chunk attends to its own new keys and values directly
-(causal), reading nothing from the pool. CUDA runs the gather + SDPA path; a paged-attention
-library is not wired in yet.
+more), and each group is ONE attention call per layer. With `attention: fused` (the default;
+CPU), every decode and verify group, a single sequence included, runs one fused kernel
+(`engine/cpu_attention.py`) that reads its blocks in place through a block table and a per-row
+mask (key j is visible to query i of sequence b iff j <= cached_b + i). Otherwise the group's
+blocks are copied (block by block, into a reused buffer) into a padded `[batch, keys]` view and
+one batched SDPA runs with the same mask; a sequence's first prefill chunk attends to its own
+new keys and values directly (causal), reading nothing from the pool. CUDA runs the gather +
+SDPA path; a paged-attention library is not wired in yet.
 
-Batch invariance: SDPA's CPU kernel blocks its work by the number of queries and keys, and the
-fused kernel sums in its own order, so a row's output moves at the 1e-7 level (float32) with its
-batch-mates and path. The projections are row-invariant (oneDNN), so greedy speculative output
-still equals plain decoding (tests); bfloat16 keeps SDPA everywhere (see `PagedAttention`).
+Batch invariance, and why it decides the path: the projections are row-invariant (oneDNN, in
+float32 and bfloat16), and so is the fused kernel, bit for bit; SDPA's CPU kernel blocks its
+work by the number of queries and keys, so its rows move at the 1e-7 level with their
+batch-mates. Greedy speculative output equals plain decoding token for token only when a token
+verified among k others gets exactly what decoding it alone gives: with the fused kernel it
+does, in both dtypes (tests); with SDPA it holds in float32 only as long as no 1e-7 move meets
+a near-tie, and in bfloat16 a move that flips a rounding did (reference-py, batch 4-32).
 """
 
 from __future__ import annotations
@@ -56,7 +59,10 @@ class _Group:
         self.lk, self.qmax, self.batch, self.fused = max(lens), max(nq), len(ss), fused
         # A single sequence's first chunk: attention over its own new keys, nothing cached.
         self.fresh = len(ss) == 1 and ss[0].num_cached == 0
-        if len(ss) == 1:
+        # A single sequence attends through SDPA, or through the fused kernel as a batch of one
+        # (a shape the runner compiles at start: torch.compile specialises a size of 1).
+        self.single = len(ss) == 1 and not fused
+        if self.single:
             s = ss[0]
             self.rows = slice(starts[members[0]], starts[members[0]] + s.num_query)
             self.mask = None
@@ -76,7 +82,7 @@ class _Group:
             nb = max(nb, 2)
         self.blocks = torch.tensor([s.block_table[:nb] + s.block_table[:1] * (nb - len(s.block_table[:nb]))
                                     for s in ss], dtype=torch.long, device=device)
-        if len(ss) == 1:
+        if self.single:
             return
         start = torch.tensor([starts[i] for i in members], dtype=torch.long, device=device)
         nq_t = torch.tensor(nq, dtype=torch.long, device=device)
@@ -95,28 +101,30 @@ class _Group:
             self.valid = valid.flatten().nonzero().squeeze(1)
             self.rows = self.q_index[self.valid]
 
-    def _gather(self, cache: torch.Tensor, workspace: dict | None, name: str) -> torch.Tensor:
-        """cache [num_blocks, tpb, kv_heads, d] -> [b, kv_heads, lk, d]: whole blocks copied
-        into a reused buffer (a fresh one per layer costs page faults: 2.7 against 1.45 ms a
-        gather at batch 32)."""
+    def _gather(self, cache: torch.Tensor, workspace: dict | None, name: str,
+                compute: torch.dtype) -> torch.Tensor:
+        """cache [num_blocks, tpb, kv_heads, d] -> [b, kv_heads, lk, d] in `compute`: whole
+        blocks copied into a reused buffer (a fresh one per layer costs page faults: 2.7 against
+        1.45 ms a gather at batch 32); in another dtype, then converted, whole blocks in their
+        layout, into a second reused buffer (converting into the transposed layout SDPA reads
+        contiguously cost ~1.4x the time, and SDPA runs as fast on the strided view)."""
         n = self.blocks.numel()
         shape = (n, *cache.shape[1:])
-        size = n * cache[0].numel()
-        buf = None if workspace is None else workspace.get(name)
-        if buf is None or buf.numel() < size or buf.dtype != cache.dtype:
-            buf = torch.empty(size, dtype=cache.dtype, device=cache.device)
-            if workspace is not None:
-                workspace[name] = buf
-        g = torch.index_select(cache, 0, self.blocks.flatten(), out=buf[:size].view(shape))
+        g = torch.index_select(cache, 0, self.blocks.flatten(),
+                               out=_buffer(workspace, name, shape, cache.dtype, cache.device))
+        if compute != cache.dtype:          # whole blocks, in their layout: one streaming pass
+            g = _buffer(workspace, name + "_up", shape, compute, cache.device).copy_(g)
         return g.view(self.batch, -1, *cache.shape[2:])[:, :self.lk].transpose(1, 2)
 
-    def run(self, q, k, v, k_cache, v_cache, out, scale, workspace) -> None:
-        if self.batch == 1:
+    def run(self, q, k, v, k_cache, v_cache, out, scale, workspace, compute) -> None:
+        if self.single:
             if self.fresh:
-                keys, values = k[self.rows].transpose(0, 1)[None], v[self.rows].transpose(0, 1)[None]
+                keys = k[self.rows].transpose(0, 1)[None].to(compute)
+                values = v[self.rows].transpose(0, 1)[None].to(compute)
             else:
-                keys, values = self._gather(k_cache, workspace, "k"), self._gather(v_cache, workspace, "v")
-            query = q[self.rows].transpose(0, 1)[None]
+                keys = self._gather(k_cache, workspace, "k", compute)
+                values = self._gather(v_cache, workspace, "v", compute)
+            query = q[self.rows].transpose(0, 1)[None].to(compute)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask,
                                                is_causal=self.fresh and self.qmax > 1, scale=scale,
                                                enable_gqa=True)
@@ -127,11 +135,11 @@ class _Group:
             if self.fused:                       # the kernel cannot be built here: SDPA from now on
                 self.fused, self.mask = False, self.mask[:, None, :, :self.lk]
             query = q.index_select(0, self.q_index).view(self.batch, self.qmax, *q.shape[1:])
-            o = F.scaled_dot_product_attention(query.transpose(1, 2),
-                                               self._gather(k_cache, workspace, "k"),
-                                               self._gather(v_cache, workspace, "v"),
+            o = F.scaled_dot_product_attention(query.transpose(1, 2).to(compute),
+                                               self._gather(k_cache, workspace, "k", compute),
+                                               self._gather(v_cache, workspace, "v", compute),
                                                attn_mask=self.mask, scale=scale, enable_gqa=True)
-            o = o.transpose(1, 2).reshape(-1, *q.shape[1:])         # [b * qmax, heads, d]
+            o = o.transpose(1, 2).reshape(-1, *q.shape[1:]).to(q.dtype)   # [b * qmax, heads, d]
         if self.valid is not None:
             o = o.index_select(0, self.valid)
         out.index_copy_(0, self.rows, o)
@@ -144,10 +152,17 @@ class _Group:
         return None if o is None else o.view(-1, *q.shape[1:])
 
 
-def _gather_bytes(k_cache: torch.Tensor, seqs: list[SeqSlice]) -> int:
-    """Bytes the gather path would copy for these sequences' keys and values (one layer)."""
-    lk = max(s.num_cached + s.num_query for s in seqs)
-    return 2 * len(seqs) * lk * k_cache[0, 0].numel() * k_cache.element_size()
+def _buffer(workspace: dict | None, name: str, shape, dtype, device) -> torch.Tensor:
+    """A `shape` view of the workspace's buffer `name`, grown (or made) as needed."""
+    size = 1
+    for n in shape:
+        size *= n
+    buf = None if workspace is None else workspace.get(name)
+    if buf is None or buf.numel() < size or buf.dtype != dtype:
+        buf = torch.empty(size, dtype=dtype, device=device)
+        if workspace is not None:
+            workspace[name] = buf
+    return buf[:size].view(shape)
 
 
 def _group_of(num_query: int) -> int:
@@ -159,14 +174,13 @@ class PagedAttention:
 
     layers: per layer, (k_cache, v_cache), each [num_blocks, tokens_per_block, kv_heads, d]
     (`BlockPool.layers`).
-    fused_min_bytes: None: never the fused kernel. Else decode and verify groups of several
-    sequences in a float32 pool run the fused kernel (CPU) when their gather would copy at
-    least this many bytes, or whenever torch has one thread (`one_thread`, None: ask torch).
+    fused: every decode and verify group (single sequences too) runs the fused kernel
+    (`engine/cpu_attention.py`, CPU), in any dtype; prefill chunks keep SDPA. False: gather +
+    SDPA everywhere.
     """
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], seqs: list[SeqSlice],
-                 scale: float, workspace: dict | None = None, one_thread: bool | None = None,
-                 fused_min_bytes: int | None = None):
+                 scale: float, workspace: dict | None = None, fused: bool = False):
         """workspace: buffers kept by the caller across forwards (gathers reuse them)."""
         self.layers, self.scale = layers, scale
         self.workspace = {} if workspace is None else workspace
@@ -185,20 +199,16 @@ class PagedAttention:
             groups[_group_of(s.num_query)].append(i)
             start += s.num_query
         self.num_tokens = start
-        # float32 only: in bfloat16 the fused kernel's rounding differs from SDPA's (which rounds
-        # the probabilities to bf16 before the product with V), enough to flip a near-tie argmax
-        # between a sequence decoded alone and in a batch; greedy speculative output must equal
-        # plain decoding token for token. (bf16 is not the fast path on CPUs without native
-        # bf16, where dtype "auto" picks float32.) With one thread the fused kernel beats a
-        # gather at any batch (batch-32 decode, context 160: 89 against 99 ms a step).
-        fused_dtype = k_cache.dtype == torch.float32
-        if one_thread is None:
-            one_thread = device.type == "cpu" and torch.get_num_threads() == 1
+        # Why every decode and verify row goes through the one kernel when it is on: its output
+        # for a row is a function of that row's query, keys and values alone, bit for bit,
+        # whatever the batch, the padding or the number of query tokens beside it (test), so
+        # a token verified in a speculative step gets exactly what decoding it alone gives, and
+        # greedy speculative output equals plain decoding in bfloat16 too. SDPA's rows (and
+        # torch's CPU matmuls) move with the batch shape (1e-7 in float32; in bfloat16 that
+        # flips a rounding, and a trained model's near-tie: the reference-py family lost
+        # greedy identity at batch 4-32 with SDPA).
         self.groups = []
         for g in filter(None, groups):
-            fused = (fused_min_bytes is not None and fused_dtype and len(g) > 1
-                     and _group_of(seqs[g[0]].num_query) < 2
-                     and (one_thread or _gather_bytes(k_cache, [seqs[i] for i in g]) >= fused_min_bytes))
             if _group_of(seqs[g[0]].num_query) == 2 and len(g) > 1:
                 # Prefill chunks: sequences starting fresh attend alone to their own new keys.
                 fresh = [i for i in g if seqs[i].num_cached == 0]
@@ -206,7 +216,15 @@ class PagedAttention:
                 g = [i for i in g if seqs[i].num_cached > 0]
                 if not g:
                     continue
-            self.groups.append(_Group(g, seqs, starts, tpb, device, fused))
+            decode_or_verify = _group_of(seqs[g[0]].num_query) < 2
+            self.groups.append(_Group(g, seqs, starts, tpb, device, fused and decode_or_verify))
+        # Reduced precision on CPU: the SDPA path computes in float32 (keys and values converted
+        # as they are gathered), its output rounded back: torch's CPU SDPA in bfloat16 ran 3-5x
+        # slower than in float32 on decode and verify shapes here (batch 32, one query, ~200
+        # keys: 1.5 ms against 0.5 ms with the conversion; AMD EPYC with AVX512-BF16), and
+        # float32 scores are the more exact. CUDA keeps the pool's dtype.
+        self.compute = (torch.float32 if device.type == "cpu" and k_cache.dtype != torch.float32
+                        else k_cache.dtype)
         self.slots = (torch.tensor(blocks, dtype=torch.long, device=device),
                       torch.tensor(offsets, dtype=torch.long, device=device))
 
@@ -216,5 +234,5 @@ class PagedAttention:
         v_cache.index_put_(self.slots, v)
         out = torch.empty_like(q)
         for g in self.groups:
-            g.run(q, k, v, k_cache, v_cache, out, self.scale, self.workspace)
+            g.run(q, k, v, k_cache, v_cache, out, self.scale, self.workspace, self.compute)
         return out.flatten(1)

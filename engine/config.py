@@ -16,11 +16,11 @@ class EngineConfig:
     dtype: str = "auto"                  # weights and KV; "auto": bfloat16 where the device
                                          # computes it natively (GPU, AMX CPU), else float32
     device: str = "cpu"
-    attention: str = "sdpa"              # "sdpa": gather + SDPA everywhere; "fused": on CPU, the
-                                         # in-place kernel for large decode and verify groups
-                                         # (engine/cpu_attention.py). Opt-in: faster in the engine
-                                         # benchmark at batch 32, 2x slower through HTTP (serving
-                                         # replicas, OpenMP passive); notes/issue10.md
+    attention: str = "fused"             # "fused": on CPU every decode and verify row runs the
+                                         # fused kernel (engine/cpu_attention.py), bitwise the
+                                         # same whatever the batch: greedy speculative output
+                                         # equals plain decoding in bfloat16 too; "sdpa": gather
+                                         # + SDPA everywhere (CUDA always). notes/issue10.md
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget
     block_size: int = 16                 # target tokens per KV block

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from engine.attention import PagedAttention, SeqSlice
-from engine.cpu_attention import FUSED_MIN_BYTES, paged_attention
+from engine.cpu_attention import paged_attention
 
 
 class Peers(Protocol):
@@ -28,38 +28,42 @@ class Peers(Protocol):
 
 class ModelRunner:
     def __init__(self, forward, layers: list[tuple[torch.Tensor, torch.Tensor]],
-                 peers: Peers | None = None, attention: str = "sdpa"):
+                 peers: Peers | None = None, attention: str = "fused"):
         self.forward = forward            # models.llama.LlamaForward
         self.layers = layers              # per layer (K, V) views of the pool (BlockPool.layers)
         self.peers = peers
         self.scale = forward.shape.head_dim ** -0.5
         self.device = forward.device
         self.workspace: dict = {}         # attention's gather buffers, reused across steps
-        # attention "fused" (opt-in): the in-place kernel (engine/cpu_attention.py) for large
-        # decode and verify groups on CPU; None: gather + SDPA everywhere.
-        self.fused_min_bytes = (FUSED_MIN_BYTES if attention == "fused" and self.device.type == "cpu"
-                                and layers[0][0].dtype == torch.float32 else None)
-        if self.fused_min_bytes is not None:
+        # attention "fused": every decode and verify group on CPU runs the fused kernel
+        # (engine/cpu_attention.py: bitwise batch-invariant rows); False: gather + SDPA.
+        self.fused = attention == "fused" and self.device.type == "cpu"
+        if self.fused:
             self._build_fused()
 
     @torch.inference_mode()
     def _build_fused(self) -> None:
         """Compile the fused kernel for this model's shapes now (decode, and verify's several
-        query tokens), not in the middle of the first large batch: a cold compile takes ~10 s
-        (then inductor's on-disk cache brings it to ~1-2 s a process). Sizes are distinct and
-        above 1 (3 sequences, 2 blocks, 5 query tokens): torch.compile specialises a size of 1
-        (and may tie equal sizes to one symbol), which would mean another compile while
-        serving. Groups always bring >= 2 sequences and >= 2 blocks (engine/attention.py)."""
+        query tokens; one sequence and several), not in the middle of serving: a cold compile
+        takes ~10 s (then inductor's on-disk cache brings it to ~1-2 s a process). Sizes are
+        distinct and above 1 where they are to stay symbolic (3 sequences, 2 blocks, 5 query
+        tokens): torch.compile specialises a size of 1 (one sequence and one query token are
+        graphs of their own, built here too) and may tie equal sizes to one symbol, either of
+        which would mean a compile while serving. Groups always bring >= 2 blocks
+        (engine/attention.py)."""
         k_cache, v_cache = self.layers[0]
         kv_heads, d = k_cache.shape[2], k_cache.shape[3]
         group = self.forward.shape.num_heads // kv_heads
-        blocks = torch.zeros(3, 2, dtype=torch.long, device=self.device)
-        for num_query in (1, 5):
-            q = torch.zeros(3, num_query, kv_heads, group, d, dtype=k_cache.dtype, device=self.device)
-            mask = torch.ones(3, num_query, 2 * k_cache.shape[1], dtype=torch.bool, device=self.device)
-            if paged_attention(q, k_cache, v_cache, blocks, mask, self.scale) is None:
-                self.fused_min_bytes = None          # cannot build it here: gather + SDPA
-                return
+        for num_seqs in (3, 1):
+            blocks = torch.zeros(num_seqs, 2, dtype=torch.long, device=self.device)
+            for num_query in (1, 5):
+                q = torch.zeros(num_seqs, num_query, kv_heads, group, d, dtype=k_cache.dtype,
+                                device=self.device)
+                mask = torch.ones(num_seqs, num_query, 2 * k_cache.shape[1], dtype=torch.bool,
+                                  device=self.device)
+                if paged_attention(q, k_cache, v_cache, blocks, mask, self.scale) is None:
+                    self.fused = False               # cannot build it here: gather + SDPA
+                    return
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],
@@ -78,6 +82,5 @@ class ModelRunner:
         """The forward alone (what every rank of a tensor-parallel group runs)."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        attn = PagedAttention(self.layers, seqs, self.scale, self.workspace,
-                              fused_min_bytes=self.fused_min_bytes)
+        attn = PagedAttention(self.layers, seqs, self.scale, self.workspace, fused=self.fused)
         return self.forward.forward(ids, pos, attn)

@@ -46,7 +46,7 @@ class TPWorker:
     """Rank r > 0: a shard of the target and a KV pool with rank 0's layout and block ids."""
 
     def __init__(self, rank: int, world: int, init_method: str, target: str, dtype: str,
-                 device: str, num_threads: int = 1, attention: str = "sdpa"):
+                 device: str, num_threads: int = 1, attention: str = "fused"):
         torch.set_num_threads(num_threads)
         all_reduce = init_tp(rank, world, init_method, device)
         model = load_model(target, dtype, device)
@@ -95,7 +95,7 @@ class LocalPeers:
     """Ranks 1..N-1 as local processes (spawned), driven over pipes. Implements `Peers`."""
 
     def __init__(self, world: int, target: str, dtype: str = "float32", device: str = "cpu",
-                 port: int = 29511, attention: str = "sdpa"):
+                 port: int = 29511, attention: str = "fused"):
         self.init_method = f"tcp://127.0.0.1:{port}"
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []

@@ -26,6 +26,8 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens, batches 1 and 4")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 where the device computes it natively, else float32")
+    p.add_argument("--attention", default=None, choices=["sdpa", "fused"],
+                   help="the engine's attention path (default: EngineConfig's)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the free cores, at most 2)")
     p.add_argument("--new-tokens", type=int, default=128)
@@ -86,8 +88,9 @@ class Bench:
 
         fam = Path(args.family)
         self.args = args
+        extra = {"attention": args.attention} if args.attention else {}
         self.engine = LLMEngine(EngineConfig(str(fam / "target"), str(fam / "draft"), dtype=args.dtype,
-                                             device=args.device, num_threads=args.threads,
+                                             device=args.device, num_threads=args.threads, **extra,
                                              kv_budget_bytes=1 << 30, max_num_seqs=64,
                                              max_num_batched_tokens=2048))
         self.hf_target = self.engine.target_model.model
@@ -260,6 +263,7 @@ def _sweep_only(args, b: Bench, prompts) -> int:
     result = {"family": str(args.family), "settings": {
         "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "k_max": args.k_max,
         "threads": args.threads, "device": args.device, "dtype": str(b.engine.target_fw.dtype),
+        "attention": b.engine.config.attention,
         "greedy": True, "repeats": max(1, args.repeats), "load_avg_1m_at_end": os.getloadavg()[0]},
         "batch_sweep": sweep, "peer": peer}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

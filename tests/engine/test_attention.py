@@ -78,7 +78,7 @@ def test_batched_equals_per_sequence(dtype, plan, layout, scattered, fused):
             pool.view(lay)[b, :, :, o].normal_()           # every layer's K and V
     total = sum(s.num_query for s in seqs)
     scale = D ** -0.5
-    attn = PagedAttention(layers, seqs, scale, {}, None, 0 if fused else None)
+    attn = PagedAttention(layers, seqs, scale, {}, fused=fused)
     # One call per query-length group, except prefill chunks starting fresh, which attend alone
     # to their own new keys.
     kinds = [0 if nq == 1 else 1 if nq <= VERIFY_MAX else 2 for _, nq in PLANS[plan]]
@@ -86,9 +86,9 @@ def test_batched_equals_per_sequence(dtype, plan, layout, scattered, fused):
     calls = (len({kind for kind in kinds if kind < 2}) + (len(long) > 1) * sum(c == 0 for c in long)
              + (1 if long and (len(long) == 1 or any(c > 0 for c in long)) else 0))
     assert len(attn.groups) == calls, plan
-    if fused:      # every decode/verify group of several sequences runs the in-place kernel
-        expect = sum(1 for kind in (0, 1) if kinds.count(kind) > 1) * (dtype == torch.float32)
-        assert sum(g.fused for g in attn.groups) == expect, plan
+    # fused: every decode and verify group (a single sequence too, any dtype) runs the kernel
+    expect = sum(1 for kind in (0, 1) if kind in kinds) if fused else 0
+    assert sum(g.fused for g in attn.groups) == expect, plan
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for layer in range(lay.num_layers):
         q = torch.randn(total, HEADS, D, dtype=dtype)
@@ -109,25 +109,64 @@ def test_batched_equals_per_sequence(dtype, plan, layout, scattered, fused):
     assert paged_attention.failed is None       # the kernel built here: no silent fallback
 
 
-def test_fused_kernel_only_where_the_gather_would_be_large():
-    """With several threads the fused kernel takes a decode/verify group only once its gather
-    would copy fused_min_bytes (below that, gather + SDPA in cache is faster); with one thread,
-    always; prefill chunks and single sequences never."""
-    pool = _pool(torch.float32)
+def test_fused_takes_every_decode_and_verify_group_and_no_prefill():
+    """With the kernel on, decode and verify groups run it whatever their size (one sequence
+    included) and dtype; prefill chunks keep SDPA. Off: SDPA everywhere."""
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = _pool(dtype)
+        layers = pool.layers(pool.target)
+        plan = [(30, 1)] * 4 + [(9, 3), (0, 20), (0, 30), (8, 20)]
+        seqs = _case(pool, pool.target, plan, random.Random(0), False)
+
+        def groups(fused, s=seqs):
+            return sorted((g.qmax, g.fused) for g in PagedAttention(layers, s, D ** -0.5, {}, fused=fused).groups)
+
+        assert groups(True) == [(1, True), (3, True), (20, False), (20, False), (30, False)]
+        assert groups(False) == [(1, False), (3, False), (20, False), (20, False), (30, False)]
+        assert groups(True, seqs[:1]) == [(1, True)]
+        assert groups(True, seqs[4:5]) == [(3, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rows_do_not_depend_on_the_batch(dtype):
+    """Bit for bit: a query's output through the fused kernel is the same decoded alone, beside
+    other sequences (whose longer contexts pad its keys), or as one of several query tokens
+    of a verify. This is what makes greedy speculative output equal plain decoding in
+    bfloat16; SDPA's rows move with the batch shape (checked here in float32, so that the test
+    says something about the kernel and not about the inputs)."""
+    torch.manual_seed(0)
+    pool = BlockPool(4 << 20, (1, KV_HEADS, D), 4, dtype, "cpu")
     layers = pool.layers(pool.target)
-    seqs = _case(pool, pool.target, [(30, 1)] * 4 + [(0, 20), (0, 30)], random.Random(0), False)
-    gathered = 2 * 4 * 31 * KV_HEADS * D * 4           # K and V, 4 sequences padded to 31 keys
+    kc, vc = layers[0]
+    rng = random.Random(3)
+    contexts = [rng.randrange(3, 60) for _ in range(6)]
+    tables = [pool.allocate(-(-(c + 1) // 4), "target") for c in contexts]
+    kc.normal_(), vc.normal_()
+    nq = 5
+    q = torch.randn(len(contexts) * nq, HEADS, D, dtype=dtype)
 
-    def fused(min_bytes, one_thread=False, s=seqs):
-        attn = PagedAttention(layers, s, D ** -0.5, {}, one_thread, min_bytes)
-        return sorted((g.qmax, g.fused) for g in attn.groups)
+    def attend(seqs, queries, fused):
+        attn = PagedAttention(layers, seqs, D ** -0.5, {}, fused=fused)
+        # the new tokens' keys and values are the ones already there: the pool stays as it is
+        k, v = kc[attn.slots].clone(), vc[attn.slots].clone()
+        return attn(0, queries, k, v).view(-1, HEADS, D)
 
-    assert fused(gathered) == [(1, True), (20, False), (30, False)]
-    assert fused(gathered + 1) == [(1, False), (20, False), (30, False)]
-    assert fused(None) == [(1, False), (20, False), (30, False)]
-    assert (1, True) in fused(gathered + 1, one_thread=True)      # one thread: always
-    assert fused(0, s=seqs[:1]) == [(1, False)]                   # a single sequence: in place
-    bf16 = _pool(torch.bfloat16)
-    layers[:] = bf16.layers(bf16.target)
-    seqs = _case(bf16, bf16.target, [(30, 1)] * 4, random.Random(0), False)
-    assert fused(0, s=seqs) == [(1, False)]          # bf16 keeps SDPA (greedy identity)
+    for fused in (True, False):
+        # A verify group: every sequence brings its last nq positions as queries.
+        verify = attend([SeqSlice(t, c + 1 - nq, nq) for t, c in zip(tables, contexts)], q, fused)
+        differ = 0
+        for b, (t, c) in enumerate(zip(tables, contexts)):
+            for i in range(nq):
+                row = q[b * nq + i:b * nq + i + 1]
+                alone = attend([SeqSlice(t, c + 1 - nq + i, 1)], row, fused)
+                # in a decode batch with every other sequence's query at the same index
+                rows = torch.cat([q[j * nq + i:j * nq + i + 1] for j in range(len(tables))])
+                batch = attend([SeqSlice(tj, cj + 1 - nq + i, 1) for tj, cj in zip(tables, contexts)],
+                               rows, fused)
+                if fused:
+                    assert torch.equal(alone[0], verify[b * nq + i]), (b, i)
+                    assert torch.equal(batch[b], verify[b * nq + i]), (b, i)
+                differ += not torch.equal(alone[0], verify[b * nq + i])
+        if not fused and dtype == torch.float32:
+            assert differ > 0          # SDPA: rows move with the batch (1e-7; in bf16 the
+            #                            rounding hides most such moves at this size)

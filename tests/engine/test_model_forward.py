@@ -20,7 +20,6 @@ def _setup(path):
 @pytest.mark.parametrize("fused", [False, True])
 def test_prefill_then_ragged_decode_matches_transformers(tiny_family, fused):
     """Gather + SDPA and the fused in-place kernel (decode/verify groups) give the same logits."""
-    fused_min_bytes = 0 if fused else None
     m, fw, pool, view, scale = _setup(tiny_family["target"])
     torch.manual_seed(0)
     ids = torch.randint(1, 300, (3, 13))
@@ -30,7 +29,7 @@ def test_prefill_then_ragged_decode_matches_transformers(tiny_family, fused):
     tables[1] = tables[1][::-1]                                     # one table out of order
     lens = [9, 5, 12]                                               # prefill lengths differ
     attn = PagedAttention(view, [SeqSlice(t, 0, n) for t, n in zip(tables, lens)], scale,
-                          fused_min_bytes=fused_min_bytes)
+                          fused=fused)
     flat = torch.cat([ids[i, :n] for i, n in enumerate(lens)])
     pos = torch.cat([torch.arange(n) for n in lens])
     logits = fw.logits(fw.forward(flat, pos, attn))
@@ -41,7 +40,7 @@ def test_prefill_then_ragged_decode_matches_transformers(tiny_family, fused):
     # Then a verify-like step: 4, 1 and 1 query tokens.
     more = [4, 1, 1]
     attn = PagedAttention(view, [SeqSlice(t, n, q) for t, n, q in zip(tables, lens, more)], scale,
-                          fused_min_bytes=fused_min_bytes)
+                          fused=fused)
     assert any(g.fused for g in attn.groups) == fused
     flat = torch.cat([ids[i, n:n + q] for i, (n, q) in enumerate(zip(lens, more))])
     pos = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, more)])
@@ -76,18 +75,18 @@ def test_the_fused_kernel_never_compiles_while_serving(tiny_family):
     from engine.model_runner import ModelRunner
     m, fw, pool, layers, scale = _setup(tiny_family["target"])
     runner = ModelRunner(fw, layers, attention="fused")
-    assert runner.fused_min_bytes is not None
-    runner.fused_min_bytes = 0                   # every decode/verify group of >= 2 runs fused
+    assert runner.fused
     compiled = counters["stats"]["unique_graphs"]
     tpb = pool.target.tokens_per_block
     rng = torch.Generator().manual_seed(0)
     for batch, context, query in [(2, 1, 1), (2, 2, 2), (3, 9, 1), (4, 3 * tpb + 1, 4), (2, 2, 3),
-                                  (5, 2 * tpb, 7), (2, tpb - 1, 1), (6, 1, 2)]:
+                                  (5, 2 * tpb, 7), (2, tpb - 1, 1), (6, 1, 2), (1, 1, 1),
+                                  (1, 3 * tpb, 1), (1, 5, 3), (1, 2 * tpb + 1, 6)]:
         tables = [pool.allocate(-(-(context + query) // tpb), "target") for _ in range(batch)]
         seqs = [SeqSlice(t, context, query) for t in tables]
         ids = torch.randint(1, 300, (batch * query,), generator=rng).tolist()
         pos = [context + j for _ in range(batch) for j in range(query)]
-        attn_groups = PagedAttention(layers, seqs, scale, fused_min_bytes=0).groups
+        attn_groups = PagedAttention(layers, seqs, scale, fused=True).groups
         assert all(g.fused for g in attn_groups), (batch, context, query)
         runner.run(seqs, ids, pos, [0])
         for t in tables:
