@@ -80,9 +80,9 @@ class RayPeers:
         self.all_reduce = import_object(join_path)(0, self.world_size, init_method, device)
         self._refs: list = []
 
-    def configure_pool(self, tokens_per_block: int, num_blocks: int) -> None:
-        """Every rank takes rank 0's pool layout (tokens per block, block count)."""
-        ray.get([a.call.remote("configure_pool", tokens_per_block, num_blocks)
+    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
+        """Every rank takes rank 0's pool layout (tokens per block, block count, dtype)."""
+        ray.get([a.call.remote("configure_pool", tokens_per_block, num_blocks, dtype)
                  for a in self.actors], timeout=self.timeout_s)
 
     def launch(self, input_ids, positions, seqs) -> None:

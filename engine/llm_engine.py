@@ -63,7 +63,8 @@ class LLMEngine:
                               (d.num_layers, d.num_kv_heads, d.head_dim) if d else None)
         pool = self.pool
         if peers is not None:     # ranks 1..N-1 take this layout; they never re-derive it
-            peers.configure_pool(pool.target.tokens_per_block, pool.num_blocks)
+            peers.configure_pool(pool.target.tokens_per_block, pool.num_blocks,
+                                 str(self.target_fw.dtype).removeprefix("torch."))
         self.target = ModelRunner(self.target_fw, pool.layers(pool.target), peers, config.attention)
         self.draft = (ModelRunner(self.draft_fw, pool.layers(pool.draft), attention=config.attention)
                       if self.draft_fw else None)

@@ -18,8 +18,9 @@ from engine.cpu_attention import paged_attention
 class Peers(Protocol):
     """The other ranks of a tensor-parallel group (see deployments/tp_group.py)."""
 
-    def configure_pool(self, tokens_per_block: int, num_blocks: int) -> None:
-        """Give every rank rank 0's KV pool layout (called once, before the first forward)."""
+    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
+        """Give every rank rank 0's KV pool layout (called once, before the first forward);
+        a rank whose weights are in another dtype than rank 0's (`dtype`) refuses."""
 
     def launch(self, input_ids: list[int], positions: list[int], seqs: list[SeqSlice]) -> None: ...
 

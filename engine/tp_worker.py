@@ -56,8 +56,14 @@ class TPWorker:
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
 
-    def configure_pool(self, tokens_per_block: int, num_blocks: int) -> None:
-        """Take rank 0's layout: its tokens per block (set by target + draft) and block count."""
+    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
+        """Take rank 0's layout: its tokens per block (set by target + draft) and block count.
+        Ranks in different dtypes would all-reduce tensors of different sizes (gloo aborts the
+        process): refused here with both dtypes named."""
+        mine = str(self.forward.dtype).removeprefix("torch.")
+        if mine != dtype:
+            raise ValueError(f"tensor-parallel rank runs {mine} but rank 0 runs {dtype}: give "
+                             f"every rank the same dtype")
         s = self.forward.shape
         layout = (s.num_layers, s.num_kv_heads, s.head_dim)
         block_bytes = (tokens_per_block * 2 * s.num_layers * s.num_kv_heads * s.head_dim
@@ -87,14 +93,18 @@ def _serve(conn, kwargs) -> None:
         if msg is None:
             return
         method, args = msg
-        getattr(worker, method)(*args)
+        try:
+            getattr(worker, method)(*args)
+        except Exception as e:               # back to rank 0, which raises it
+            conn.send(e)
+            continue
         conn.send(True)
 
 
 class LocalPeers:
     """Ranks 1..N-1 as local processes (spawned), driven over pipes. Implements `Peers`."""
 
-    def __init__(self, world: int, target: str, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, world: int, target: str, dtype: str = "auto", device: str = "cpu",
                  port: int = 29511, attention: str = "fused"):
         self.init_method = f"tcp://127.0.0.1:{port}"
         ctx = mp.get_context("spawn")
@@ -111,9 +121,9 @@ class LocalPeers:
         for c in self.conns:
             assert c.recv() == "ready"
 
-    def configure_pool(self, tokens_per_block: int, num_blocks: int) -> None:
+    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
         for c in self.conns:
-            c.send(("configure_pool", (tokens_per_block, num_blocks)))
+            c.send(("configure_pool", (tokens_per_block, num_blocks, dtype)))
         self.wait()
 
     def launch(self, input_ids, positions, seqs) -> None:
@@ -123,7 +133,9 @@ class LocalPeers:
 
     def wait(self) -> None:
         for c in self.conns:
-            c.recv()
+            answer = c.recv()
+            if isinstance(answer, Exception):
+                raise answer
 
     def close(self) -> None:
         for c in self.conns:

@@ -41,3 +41,17 @@ def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, dra
         assert engine.snapshot().num_draft_tokens > 0
     finally:
         peers.close()
+
+
+def test_a_rank_in_another_dtype_is_refused_with_a_reason(tiny_family):
+    """Rank 0 in bfloat16, rank 1 in float32: the all-reduce would mix tensor sizes and gloo
+    aborts the whole process (what `LocalPeers`' old float32 default did beside an engine whose
+    dtype "auto" is bfloat16 on an AVX512-BF16 CPU); the layout hand-off refuses it instead."""
+    peers = LocalPeers(2, str(tiny_family["target"]), dtype="float32", port=free_port())
+    try:
+        with pytest.raises(ValueError, match="rank runs float32 but rank 0 runs bfloat16"):
+            LLMEngine(EngineConfig(str(tiny_family["target"]), None, tp_size=2, dtype="bfloat16",
+                                   kv_budget_bytes=4 << 20, profile=False, num_threads=1),
+                      peers=peers)
+    finally:
+        peers.close()
