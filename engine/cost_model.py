@@ -153,11 +153,13 @@ class TableStepCost:
 def step_cost_from_dict(d: dict):
     """Read back a measured or calibrated cost model from its `to_dict()`."""
     if d.get("kind") == "calibrated":
-        return CalibratedCost(step_cost_from_dict(d["base"]), d["per_seq_s"], d.get("spec_scale", 1.0))
+        return CalibratedCost(step_cost_from_dict(d["base"]), d["per_seq_s"], d.get("spec_scale", 1.0),
+                              draft_excess=bool(d.get("draft_excess")))
     return TableStepCost.from_dict(d) if d.get("kind") == "table" else LinearStepCost.from_dict(d)
 
 
 OVERHEAD_EWMA = 0.1       # CalibratedCost.calibrate without learn_draft_scale: weight of one step
+DRAFT_FORGET = 0.9         # ... draft_excess: weight of the past per drafting step
 CAL_FORGET = 0.98          # CalibratedCost.calibrate: weight of the past per decode step
 CAL_PRIOR_VAR = (1.0, 0.25)  # ... and its prior variances: per_seq (ms^2), spec_scale
 CAL_SCALE_RANGE = (0.25, 4.0)
@@ -181,15 +183,25 @@ class CalibratedCost:
     base: StepCostModel
     per_seq_s: float = 0.0
     spec_scale: float = 1.0
-    # Learn spec_scale too (the simulator's engines). The real engine keeps it at 1 and learns
-    # only per_seq_s (an EWMA of the residual): with the joint fit, adaptive k on reference-py
-    # fell from 1.4-1.5x to 0.95x of plain decoding at batch 1 (`bench engine --batches 1,32`,
-    # two alternated runs each, notes/issue10.md), a regression of the engine's own promise.
+    # Learn spec_scale jointly with per_seq_s by least squares (the simulator's engines). With
+    # the joint fit in the real engine, adaptive k on reference-py fell from 1.4-1.5x to 0.95x
+    # of plain decoding at batch 1 (notes/issue10.md): at a steady batch the two terms cannot
+    # be told apart, and the fit put the drafting steps' excess on every sequence.
     learn_draft_scale: bool = False
+    # The real engine: per_seq_s from steps in which nobody drafts (EWMA, as without either
+    # flag), and whatever a drafting step costs beyond that and the base's prices is the
+    # draft's: spec_scale = observed drafting time / the base's, a forgetful regression
+    # through the origin over drafting steps (DRAFT_FORGET), within CAL_SCALE_RANGE. Measured
+    # on reference-py (bf16, 2 threads, batch 32, k = 3): the base priced the draft rounds at
+    # 6.2 ms, they took 8.0 (Python per round and sequence, the catch-up token); charged per
+    # sequence instead, that excess priced a 13 ms plain step at 24-56 ms, drafting looked
+    # cheap and adaptive k ran at 0.93x of plain decoding.
+    draft_excess: bool = False
 
     def __post_init__(self) -> None:
         # recursive least squares over (per_seq ms, spec_scale - 1), in milliseconds
         self._p = [[CAL_PRIOR_VAR[0], 0.0], [0.0, CAL_PRIOR_VAR[1]]]
+        self._sxy = self._sxx = 0.0                # draft_excess: the regression's sums
 
     def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
         return self.base.target_s(num_seqs, num_tokens, context_tokens) + self.per_seq_s * num_seqs
@@ -205,6 +217,15 @@ class CalibratedCost:
         no drafting only per_seq moves. per_seq stays >= 0 (a base that overprices the target
         stays overpriced), spec_scale within CAL_SCALE_RANGE."""
         n = len(ks)
+        if self.draft_excess and any(ks):
+            verify = self.base.target_s(n, n + sum(ks), context_tokens) + self.per_seq_s * n
+            drafting = step_s(ks, self.base, context_tokens) - self.base.target_s(n, n + sum(ks), context_tokens)
+            if drafting > 0:
+                self._sxy = DRAFT_FORGET * self._sxy + drafting * max(0.0, seconds - verify)
+                self._sxx = DRAFT_FORGET * self._sxx + drafting * drafting
+                lo, hi = CAL_SCALE_RANGE
+                self.spec_scale = min(hi, max(lo, self._sxy / self._sxx))
+            return
         if not self.learn_draft_scale:
             residual = max(0.0, seconds - step_s(ks, self.base, context_tokens)) / n
             self.per_seq_s += OVERHEAD_EWMA * (residual - self.per_seq_s)
@@ -235,7 +256,7 @@ class CalibratedCost:
     def to_dict(self) -> dict:
         """JSON for reports (`specserve bench engine`); Ray carries the object itself."""
         return {"kind": "calibrated", "base": self.base.to_dict(), "per_seq_s": self.per_seq_s,
-                "spec_scale": self.spec_scale}
+                "spec_scale": self.spec_scale, "draft_excess": self.draft_excess}
 
 
 # ----------------------------------------------------------------------------- choosing k

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
+CATCH_UP_MAX = 3        # draft tokens to catch up on that still make a decode step (see _calibrate)
 
 
 class LLMEngine:
@@ -74,7 +75,7 @@ class LLMEngine:
             if self.draft is not None:
                 self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
         self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
-        self.cost = CalibratedCost(self._cost_model())
+        self.cost = CalibratedCost(self._cost_model(), draft_excess=True)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance)
         self.metrics = Metrics()
@@ -176,6 +177,10 @@ class LLMEngine:
         outputs = [self._output(seq, [], final=True) for seq in self.scheduler.take_truncated()]
         if not items:
             return outputs
+        # A draft that catches up on more than a step's worth of tokens (a prompt it has not
+        # seen, or many tokens it skipped) prefills inside this step: not a decode step's cost.
+        catch_up = max((len(it.seq.token_ids) - it.seq.draft_computed for it in items if it.k > 0),
+                       default=0)
         try:
             results = step(items, self.target, self.draft)
         except Exception as exc:
@@ -195,7 +200,8 @@ class LLMEngine:
                 continue
             if out is not None:
                 outputs.append(out)
-        self._calibrate(items, time.perf_counter() - start)
+        if catch_up <= CATCH_UP_MAX:
+            self._calibrate(items, time.perf_counter() - start)
         return outputs
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
@@ -217,11 +223,14 @@ class LLMEngine:
         return outputs
 
     def _calibrate(self, items, seconds: float) -> None:
-        """Learn what a decode step costs beyond the profiled forwards, per sequence.
+        """Learn what a decode step costs beyond the profiled forwards.
 
-        The profile times bare forwards at a short context; a real step also schedules, samples,
-        detokenizes and attends over longer contexts, which costs per sequence whatever k is.
-        Leaving it out makes drafting look dearer than it is at large batches.
+        The profile times bare forwards at one context; a real step also schedules, samples,
+        detokenizes and attends over other contexts. `CalibratedCost(draft_excess=True)` puts
+        what plain steps cost beyond the table on every sequence, and what drafting steps cost
+        beyond that on the draft (`engine/cost_model.py` says why not both per sequence).
+        Steps in which a draft caught up on a prompt (a prefill) are not passed here (`step`):
+        timed as decode steps, they priced drafting at several times its cost.
         """
         if any(it.num_feed != 1 for it in items):      # decode steps only: prefill is noise here
             return

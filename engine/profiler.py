@@ -28,11 +28,13 @@ from engine.kv_cache import blocks_needed
 # neither the fused kernel nor its verify cost (2.2x a decode row at 5 query tokens), and
 # adaptive k over-drafted at batch 16-32 (0.91-0.95x of plain decoding).
 CONTEXT = 192
-VERSION = 6                       # bump when the forward's speed changes (kernels, layout)
+VERSION = 7                       # bump when the forward's speed changes (kernels, layout)
 SEQS = (1, 2, 4, 8, 16, 32)                     # batch sizes timed
 TOKENS_PER_SEQ = (1, 2, 3, 5, 8)                 # query tokens per sequence (1 + k)
 GRID = [(n, q) for n in SEQS for q in TOKENS_PER_SEQ]
-REPEATS = 3                       # timed runs per point (median), after one warm-up
+REPEATS = 5                       # timed runs per point (median), after WARMUP untimed
+WARMUP = 2                        # (one was not enough: the first point timed, batch 1, read 1.5 ms
+                                  # for a 0.8 ms draft forward, and adaptive k misjudged batch 1)
 
 
 def _key(engine) -> str:
@@ -73,13 +75,13 @@ def _time_runner(runner, pool, owner: str, tpb: int, grid) -> list[tuple[int, in
             ids, pos = [1] * (n * q), list(range(CONTEXT, CONTEXT + q)) * n
             rows = list(range(n * q))
             times = []
-            for _ in range(REPEATS + 1):
+            for _ in range(WARMUP + REPEATS):
                 _sync(runner.device)
                 start = time.perf_counter()
                 runner.run(seqs, ids, pos, rows)
                 _sync(runner.device)
                 times.append(time.perf_counter() - start)
-            samples.append((n, n * q, 0, statistics.median(times[1:])))  # context held fixed
+            samples.append((n, n * q, 0, statistics.median(times[WARMUP:])))  # context held fixed
     finally:
         for t in tables:
             pool.free(t, owner)

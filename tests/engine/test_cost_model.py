@@ -195,9 +195,9 @@ def test_calibration_keeps_learning_after_long_stretches_without_drafting():
     assert cost.spec_scale == pytest.approx(1.3, rel=0.1)
 
 
-def test_the_engines_calibration_learns_only_the_overhead():
-    """The real engine (learn_draft_scale False) moves per_seq_s by an EWMA of the residual and
-    never rescales drafting (the joint fit made adaptive k slower than plain decoding at batch 1)."""
+def test_without_flags_calibration_learns_only_the_overhead():
+    """CalibratedCost(base) moves per_seq_s by an EWMA of the residual and never rescales
+    drafting."""
     from engine.cost_model import OVERHEAD_EWMA, CalibratedCost, LinearCost, LinearStepCost, step_s
 
     base = LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(1e-4, 1e-6, 1e-7))
@@ -210,3 +210,52 @@ def test_the_engines_calibration_learns_only_the_overhead():
     for _ in range(200):
         cost.calibrate(ks, ctx, truth)
     assert cost.spec_scale == 1.0 and cost.per_seq_s == pytest.approx(residual, rel=1e-3)
+
+
+def test_the_engines_calibration_charges_what_only_drafting_steps_cost_to_the_draft():
+    """draft_excess (the engine's): per_seq_s comes from plain steps alone; a drafting step's
+    excess over that and the base's prices rescales the draft, and plain decoding keeps its
+    measured price (charged per sequence, the excess made drafting look cheap: adaptive k at
+    0.93x of plain decoding on reference-py, batch 32)."""
+    from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost, step_s
+
+    base = LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(1e-4, 1e-6, 1e-7))
+    cost, ctx = CalibratedCost(base, draft_excess=True), 300
+    for _ in range(100):                    # plain steps: 0.5 ms a sequence beyond the base
+        cost.calibrate([0] * 4, ctx, step_s([0] * 4, base, ctx) + 4 * 5e-4)
+    assert cost.per_seq_s == pytest.approx(5e-4, rel=1e-3) and cost.spec_scale == 1.0
+    ks = [3, 3, 0, 2]
+    verify = base.target_s(4, 4 + sum(ks), ctx)
+    drafting = step_s(ks, base, ctx) - verify
+    for _ in range(3):                      # drafting really costs 1.5x what the base says
+        cost.calibrate(ks, ctx, verify + 4 * 5e-4 + 1.5 * drafting)
+    assert cost.spec_scale == pytest.approx(1.5, rel=1e-3)
+    assert cost.per_seq_s == pytest.approx(5e-4, rel=1e-3)
+    assert cost.target_s(4, 4, ctx) == pytest.approx(base.target_s(4, 4, ctx) + 4 * 5e-4, rel=1e-3)
+    assert step_s(ks, cost, ctx) == pytest.approx(verify + 4 * 5e-4 + 1.5 * drafting, rel=1e-3)
+    for _ in range(40):                     # it follows a change (forgetting) ...
+        cost.calibrate(ks, ctx, verify + 4 * 5e-4 + 0.8 * drafting)
+    assert cost.spec_scale == pytest.approx(0.8, rel=0.02)
+    cost.calibrate(ks, ctx, 100.0)          # ... within its range
+    assert cost.spec_scale <= 4.0
+
+
+def test_the_engine_does_not_calibrate_on_a_step_in_which_the_draft_prefills(make_engine):
+    """The first drafting step of a sequence catches the draft up on the whole prompt; timed
+    as a decode step, that prefill would be priced as drafting overhead on every later step."""
+    from engine.sampling_params import RequestOptions, SamplingParams
+
+    engine = make_engine(adaptive_k=False)             # k = 3 on every decode step
+    assert engine.cost.draft_excess
+    seen = []
+    calibrate = engine.cost.calibrate
+    engine.cost.calibrate = lambda ks, ctx, secs: seen.append(list(ks)) or calibrate(ks, ctx, secs)
+    engine.add_request("r", list(range(5, 45)), SamplingParams(temperature=0, max_tokens=20,
+                                                              ignore_eos=True),
+                       RequestOptions("speculative", k_max=3))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    # step 1 prefills the target (not a decode step), step 2 the draft (40 prompt tokens)
+    assert steps > 4 and len(seen) == steps - 2
