@@ -34,12 +34,14 @@ def _runtime_env(tier: TierModelConfig) -> dict:
 
 def _openmp_wait(tier: TierModelConfig) -> dict[str, str]:
     """Replicas sharing a node's cores with each other and Ray sleep when idle (engine/__init__)."""
-    from engine import SPIN_COUNT      # pure Python: imports no torch
+    from engine import BRIEF_SPIN_COUNT, SPIN_COUNT      # pure Python: imports no torch
 
     # Both variables, always: a replica inherits the raylet's environment, which may hold the
     # launcher's own choice, and libgomp lets an explicit GOMP_SPINCOUNT override the policy.
     if tier.openmp_wait == "spin":
         return {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    if tier.openmp_wait == "brief":
+        return {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(BRIEF_SPIN_COUNT)}
     return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
 
 

@@ -36,6 +36,12 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import RequestOptions, SamplingParams
 
 
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the deltas joined, the rest the later's."""
+    return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
+                   reason=then.reason or first.reason)
+
+
 class _Rejected:
     """A request the engine refused (validation, overload): raised to its caller as is."""
 
@@ -72,18 +78,29 @@ class AsyncEngine:
         stream = (asyncio.get_running_loop(), queue)
         self._inbox.append(("add", request_id, list(prompt_token_ids), params, options, stream))
         self._wake.set()
-        finished = False
+        finished, pending = False, None
         try:
             while not finished:
-                out = await queue.get()
+                out = pending if pending is not None else await queue.get()
+                pending = None
                 if isinstance(out, _Rejected):
                     finished = True                # never added: nothing to abort
                     raise out.error
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"the engine stopped: {out!r}") from out
-                finished = out.finished
                 if out.error is not None:      # this request failed; the engine serves on
+                    finished = out.finished
                     raise RequestFailedError(out.error)
+                # Outputs that piled up while the caller was busy go out as one: under load
+                # each message up the serving path (Ray, ingress, proxy) costs CPU the engine
+                # shares; at low load nothing waits and every step's tokens go at once.
+                while not out.finished and not queue.empty():
+                    more = queue.get_nowait()
+                    if not isinstance(more, RequestOutput) or more.error is not None:
+                        pending = more
+                        break
+                    out = merge_outputs(out, more)
+                finished = out.finished
                 yield out
         finally:
             if not finished:                   # cancelled, disconnected or abandoned

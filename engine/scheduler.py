@@ -45,6 +45,11 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     spec_min_free_fraction: float = 0.10   # below this headroom, new requests do not speculate
+    # A step that carries prompt tokens (a request admitted now, or a prompt's next chunk) runs
+    # no draft rounds: the new request's first token waits for that step, and draft rounds
+    # for the running batch would lengthen it by up to k forwards of the draft plus a verify
+    # of k + 1 tokens a sequence. Costs the running sequences one speculative step per arrival.
+    prefill_first: bool = True
 
 
 class Scheduler:
@@ -158,7 +163,8 @@ class Scheduler:
         #    too); prefill riding in the same forward is passed as extra tokens.
         decode = [s for s in self.running if not s.in_prefill]
         ks = {}
-        if any(s.speculative for s in decode):
+        prefilling = any(s.in_prefill for s in self.running) or self._admits_now(budget)
+        if any(s.speculative for s in decode) and not (limits.prefill_first and prefilling):
             room = [max(0, min(s.options.k_max, limits.max_model_len - len(s.token_ids) - 1,
                                s.params.max_tokens - s.num_output - 1)) if s.speculative else 0
                     for s in decode]
@@ -216,6 +222,16 @@ class Scheduler:
             items[id(seq)] = item
             budget -= n
         return list(items.values())
+
+    def _admits_now(self, budget: int) -> bool:
+        """Whether the first waiting sequence fits this step (as step 3 of `schedule` sees it
+        before any decode blocks are taken): a queue that waits for memory or a slot is not a
+        prompt arriving, and must not hold speculation off."""
+        if not self.waiting or len(self.running) >= self.limits.max_num_seqs:
+            return False
+        seq = self.waiting[0]
+        item = ScheduledSeq(seq, min(len(seq.token_ids) - seq.num_computed, budget), 0)
+        return self._need(item)[0] <= self.pool.num_free - 2 * len(self.running)
 
     def _allocate(self, item: ScheduledSeq) -> None:
         target, draft = self._need(item)

@@ -33,7 +33,8 @@ class TierModelConfig(_Strict):
     draft: str | None = Field(None, description="draft checkpoint folder (target tier only)")
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per replica")
     num_replicas: int = Field(1, ge=1, description="replicas (one placement group each)")
-    dtype: str = "float32"
+    dtype: str = Field("float32", description="weights and KV; auto: bfloat16 where the device "
+                       "computes it natively (AVX512-BF16/AMX CPUs, GPUs), else float32")
     device: Literal["cpu", "cuda"] = "cpu"
     num_cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank bundle")
     num_gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per rank bundle (1 in production)")
@@ -42,10 +43,11 @@ class TierModelConfig(_Strict):
     max_model_len: int | None = Field(None, ge=8, description="None: the checkpoint's context")
     max_waiting: int = Field(64, ge=0, description="engine waiting-queue bound (then 429)")
     num_threads: int = Field(1, ge=1, description="torch threads per rank process")
-    openmp_wait: Literal["passive", "spin"] = Field(
-        "passive", description="idle OpenMP threads sleep (passive: cores shared with other "
-        "replicas and Ray) or spin briefly first (spin: the rank has its cores to itself; faster "
-        "steps, see engine/__init__.py)")
+    openmp_wait: Literal["passive", "brief", "spin"] = Field(
+        "passive", description="idle OpenMP threads sleep at once (passive: cores shared with "
+        "busy replicas and Ray), spin tens of microseconds first (brief: a step runs at nearly "
+        "the spinning speed, idle replicas sleep), or spin up to ~1 ms (spin: the rank has its "
+        "cores to itself); see engine/__init__.py")
     max_ongoing_requests: int = Field(64, ge=1, description="Serve: concurrent requests per replica")
     max_queued_requests: int = Field(32, ge=1, description="Serve: queued requests per caller")
     engine_args: dict[str, Any] = Field(default_factory=dict,
@@ -54,7 +56,7 @@ class TierModelConfig(_Strict):
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, value: str) -> str:
-        allowed = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16"}
+        allowed = {"auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"}
         if value not in allowed:
             raise ValueError(f"dtype must be one of {sorted(allowed)}, got {value!r}")
         return value

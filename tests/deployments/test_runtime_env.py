@@ -10,6 +10,7 @@ from router.config import TierModelConfig
 @pytest.mark.parametrize("wait,expected", [
     ("passive", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}),
     ("spin", {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(engine.SPIN_COUNT)}),
+    ("brief", {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(engine.BRIEF_SPIN_COUNT)}),
 ])
 def test_replicas_get_both_openmp_variables(wait, expected):
     """Both set, so a GOMP_SPINCOUNT inherited from the launcher cannot make PASSIVE spin."""

@@ -95,3 +95,26 @@ def test_a_new_request_never_blocks_the_event_loop_behind_a_step(aengine):
     during, outs = asyncio.run(go())
     assert during, "the event loop was blocked until the engine lock was released"
     assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
+
+
+def test_outputs_that_pile_up_go_out_as_one_with_nothing_lost(aengine):
+    """A caller that reads slowly (the serving path under load) gets fewer, larger chunks: the
+    same tokens and text in order, the counts of the latest step, one final chunk."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def read(request_id, pause_s):
+        chunks = []
+        async for out in aengine.generate(request_id, [5, 7, 9, 11], params,
+                                          RequestOptions("baseline")):
+            chunks.append(out)
+            await asyncio.sleep(pause_s)
+        return chunks
+
+    fast = asyncio.run(read("fast", 0))
+    slow = asyncio.run(read("slow", 0.05))
+    assert len(fast) > 20 and len(slow) <= 10     # steps take ~1 ms, the slow reader 50
+    assert [t for c in slow for t in c.token_ids] == [t for c in fast for t in c.token_ids]
+    assert "".join(c.text for c in slow) == "".join(c.text for c in fast)
+    assert slow[-1].finished and not any(c.finished for c in slow[:-1])
+    assert slow[-1].num_output_tokens == 40
+    assert [c.num_output_tokens for c in slow] == sorted(c.num_output_tokens for c in slow)

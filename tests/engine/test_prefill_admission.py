@@ -1,5 +1,7 @@
 """A new prompt is prefilled in the very next step, alongside sequences that are decoding."""
 
+import pytest
+
 from engine.sampling_params import RequestOptions, SamplingParams
 
 
@@ -23,3 +25,30 @@ def test_new_prompt_starts_next_step_while_others_decode(make_engine):
         steps += 1
         assert steps < 4
     assert steps >= 1
+
+
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_a_step_that_admits_a_prompt_runs_no_draft_rounds(make_engine, prefill_first):
+    """Time to first token: the step that prefills a new prompt does not also wait for the
+    running batch's draft rounds (prefill_first); the next step drafts again. A queue that
+    waits for memory does not hold speculation off (test_memory covers that budget)."""
+    engine = make_engine(adaptive_k=False, prefill_first=prefill_first)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", [5, 7, 9, 11], params, RequestOptions("speculative", k_max=3))
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def record():
+        items = schedule()
+        seen.append({it.seq.request_id: it.k for it in items})
+        return items
+
+    engine.scheduler.schedule = record
+    for _ in range(3):
+        engine.step()
+    assert seen[-1] == {"a": 3}
+    engine.add_request("b", [6, 8, 10], params, RequestOptions("speculative", k_max=3))
+    engine.step()
+    assert seen[-1] == {"a": 0 if prefill_first else 3, "b": 0}
+    engine.step()
+    assert seen[-1] == {"a": 3, "b": 3}
