@@ -29,8 +29,9 @@ class EngineConfig:
     max_model_len: int | None = None     # None: the target's max_position_embeddings
     max_waiting: int = 256               # queue bound; beyond it add_request refuses (429)
     adaptive_k: bool = True              # False: every speculative sequence drafts k_max each step
-    prefill_first: bool = True           # no draft rounds in a step that carries prompt tokens
-                                         # (engine/scheduler.py: time to first token)
+    prefill_first: bool = False          # True: no draft rounds in a step that carries prompt
+                                         # tokens (engine/scheduler.py: time to first token for
+                                         # throughput; off by default, notes/issue10.md)
     num_threads: int | None = None       # torch threads; None: min(2, free cores)
     tp_size: int = 1
     profile: bool = True                 # measure the step-cost model at start (cached)
