@@ -188,8 +188,9 @@ class CalibratedCost:
     # of plain decoding at batch 1 (notes/issue10.md): at a steady batch the two terms cannot
     # be told apart, and the fit put the drafting steps' excess on every sequence.
     learn_draft_scale: bool = False
-    # The real engine: per_seq_s from steps in which nobody drafts (EWMA, as without either
-    # flag), and whatever a drafting step costs beyond that and the base's prices is the
+    # The real engine: per_seq_s from steps in which nobody drafts (a regression of the residual
+    # on the batch size, through the origin), and whatever a drafting step costs beyond that
+    # and the base's prices is the
     # draft's: spec_scale = observed drafting time / the base's, a forgetful regression
     # through the origin over drafting steps (DRAFT_FORGET), within CAL_SCALE_RANGE. Measured
     # on reference-py (bf16, 2 threads, batch 32, k = 3): the base priced the draft rounds at
@@ -201,7 +202,8 @@ class CalibratedCost:
     def __post_init__(self) -> None:
         # recursive least squares over (per_seq ms, spec_scale - 1), in milliseconds
         self._p = [[CAL_PRIOR_VAR[0], 0.0], [0.0, CAL_PRIOR_VAR[1]]]
-        self._sxy = self._sxx = 0.0                # draft_excess: the regression's sums
+        self._sxy = self._sxx = 0.0                # draft_excess: the regressions' sums
+        self._pxy = self._pxx = 0.0
 
     def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
         return self.base.target_s(num_seqs, num_tokens, context_tokens) + self.per_seq_s * num_seqs
@@ -225,6 +227,16 @@ class CalibratedCost:
                 self._sxx = DRAFT_FORGET * self._sxx + drafting * drafting
                 lo, hi = CAL_SCALE_RANGE
                 self.spec_scale = min(hi, max(lo, self._sxy / self._sxx))
+            return
+        if self.draft_excess:
+            # Plain steps: residual = per_seq * n through the origin, weighted by n (forgetful):
+            # a fixed excess seen at a small batch (a draining batch of 2) must not become a
+            # per-sequence price at batch 32 (an EWMA of residual / n made it 0.95 ms a
+            # sequence at one thread: a 21.5 ms step priced at 49.6 ms).
+            residual = max(0.0, seconds - step_s(ks, self.base, context_tokens))
+            self._pxy = CAL_FORGET * self._pxy + n * residual
+            self._pxx = CAL_FORGET * self._pxx + n * n
+            self.per_seq_s = self._pxy / self._pxx
             return
         if not self.learn_draft_scale:
             residual = max(0.0, seconds - step_s(ks, self.base, context_tokens)) / n

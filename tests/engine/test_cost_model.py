@@ -259,3 +259,18 @@ def test_the_engine_does_not_calibrate_on_a_step_in_which_the_draft_prefills(mak
         steps += 1
     # step 1 prefills the target (not a decode step), step 2 the draft (40 prompt tokens)
     assert steps > 4 and len(seen) == steps - 2
+
+
+def test_a_fixed_excess_at_a_small_batch_is_not_priced_per_sequence_at_a_large_one():
+    """draft_excess's per_seq_s weights plain steps by their batch: a draining batch of 2 that
+    runs 2 ms over the table must not price every sequence of a batch of 32 at 1 ms (the
+    EWMA of residual / n did: at one thread a 21.5 ms step was priced at 49.6 ms)."""
+    from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost, step_s
+
+    base = LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(1e-4, 1e-6, 1e-7))
+    cost, ctx = CalibratedCost(base, draft_excess=True), 300
+    for _ in range(60):
+        cost.calibrate([0] * 32, ctx, step_s([0] * 32, base, ctx))            # as the table says
+    for _ in range(10):
+        cost.calibrate([0] * 2, ctx, step_s([0] * 2, base, ctx) + 2e-3)       # the tail of a batch
+    assert cost.target_s(32, 32, ctx) - base.target_s(32, 32, ctx) < 0.1 * 32 * 1e-3
