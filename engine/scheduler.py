@@ -165,8 +165,8 @@ class Scheduler:
         #    too); prefill riding in the same forward is passed as extra tokens.
         decode = [s for s in self.running if not s.in_prefill]
         ks = {}
-        prefilling = any(s.in_prefill for s in self.running) or self._admits_now(budget)
-        if any(s.speculative for s in decode) and not (limits.prefill_first and prefilling):
+        if any(s.speculative for s in decode) and not (limits.prefill_first
+                                                       and self._carries_prompt(budget)):
             room = [max(0, min(s.options.k_max, limits.max_model_len - len(s.token_ids) - 1,
                                s.params.max_tokens - s.num_output - 1)) if s.speculative else 0
                     for s in decode]
@@ -225,10 +225,13 @@ class Scheduler:
             budget -= n
         return list(items.values())
 
-    def _admits_now(self, budget: int) -> bool:
-        """Whether the first waiting sequence fits this step (as step 3 of `schedule` sees it
-        before any decode blocks are taken): a queue that waits for memory or a slot is not a
-        prompt arriving, and must not hold speculation off."""
+    def _carries_prompt(self, budget: int) -> bool:
+        """Whether this step will carry prompt tokens: a prompt's next chunk, or the first
+        waiting sequence fitting now (as step 3 of `schedule` sees it before any decode blocks
+        are taken): a queue that waits for memory or a slot is not a prompt arriving, and must
+        not hold speculation off."""
+        if any(s.in_prefill for s in self.running):
+            return True
         if not self.waiting or len(self.running) >= self.limits.max_num_seqs:
             return False
         seq = self.waiting[0]
