@@ -14,7 +14,8 @@ class EngineConfig:
     target: str                          # local Hugging Face folder
     draft: str | None = None             # None: baseline only
     dtype: str = "auto"                  # weights and KV; "auto": bfloat16 where the device
-                                         # computes it natively (GPU, AMX CPU), else float32
+                                         # computes it natively (GPU, AVX512-BF16 or AMX CPU),
+                                         # else float32
     device: str = "cpu"
     attention: str = "fused"             # "fused": on CPU every decode and verify row runs the
                                          # fused kernel (engine/cpu_attention.py), bitwise the

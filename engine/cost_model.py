@@ -190,9 +190,9 @@ class CalibratedCost:
     learn_draft_scale: bool = False
     # The real engine: per_seq_s from steps in which nobody drafts (a regression of the residual
     # on the batch size, through the origin), and whatever a drafting step costs beyond that
-    # and the base's prices is the
-    # draft's: spec_scale = observed drafting time / the base's, a forgetful regression
-    # through the origin over drafting steps (DRAFT_FORGET), within CAL_SCALE_RANGE. Measured
+    # and the base's prices is the draft's: spec_scale = observed drafting time / the base's, a
+    # forgetful regression through the origin over drafting steps (DRAFT_FORGET), within
+    # CAL_SCALE_RANGE. Measured
     # on reference-py (bf16, 2 threads, batch 32, k = 3): the base priced the draft rounds at
     # 6.2 ms, they took 8.0 (Python per round and sequence, the catch-up token); charged per
     # sequence instead, that excess priced a 13 ms plain step at 24-56 ms, drafting looked
@@ -220,10 +220,11 @@ class CalibratedCost:
         stays overpriced), spec_scale within CAL_SCALE_RANGE."""
         n = len(ks)
         if self.draft_excess and any(ks):
-            verify = self.base.target_s(n, n + sum(ks), context_tokens) + self.per_seq_s * n
-            drafting = step_s(ks, self.base, context_tokens) - self.base.target_s(n, n + sum(ks), context_tokens)
+            verify = self.base.target_s(n, n + sum(ks), context_tokens)
+            drafting = step_s(ks, self.base, context_tokens) - verify
             if drafting > 0:
-                self._sxy = DRAFT_FORGET * self._sxy + drafting * max(0.0, seconds - verify)
+                observed = max(0.0, seconds - verify - self.per_seq_s * n)
+                self._sxy = DRAFT_FORGET * self._sxy + drafting * observed
                 self._sxx = DRAFT_FORGET * self._sxx + drafting * drafting
                 lo, hi = CAL_SCALE_RANGE
                 self.spec_scale = min(hi, max(lo, self._sxy / self._sxx))

@@ -96,7 +96,10 @@ def _serve(conn, kwargs) -> None:
         try:
             getattr(worker, method)(*args)
         except Exception as e:               # back to rank 0, which raises it
-            conn.send(e)
+            try:
+                conn.send(e)
+            except Exception:                # not picklable: its text, then
+                conn.send(RuntimeError(f"rank {kwargs['rank']}: {type(e).__name__}: {e}"))
             continue
         conn.send(True)
 

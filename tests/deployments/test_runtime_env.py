@@ -23,3 +23,17 @@ def test_passive_is_the_default_and_other_values_are_refused():
     assert TierModelConfig(model="m").openmp_wait == "passive"
     with pytest.raises(ValueError):
         TierModelConfig(model="m", openmp_wait="active")
+
+
+def test_a_tier_takes_dtype_auto_and_the_bench_config_loads():
+    """`auto` is the engine's own default (bfloat16 where native); a tier may ask for it, and
+    the HTTP benchmark's config does; a dtype the engine does not know is refused."""
+    from router.config import load_config
+
+    assert TierModelConfig(model="m", dtype="auto").dtype == "auto"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        TierModelConfig(model="m", dtype="int8")
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parents[2] / "cluster/configs/bench-http.yaml", "/nowhere/family")
+    assert cfg.target.dtype == "auto" and cfg.target.openmp_wait == "brief"
