@@ -5,9 +5,11 @@ sees), built once per forward as tensors and shared by all layers, and the atten
 layer makes. Does not own: the model math (`models/llama.py`) or block allocation
 (`engine/kv_cache.py`).
 
-The pool is layer-major inside a block (`BlockPool.view`): one layer's keys for one block are
-tpb contiguous rows, so reading a block streams one contiguous run (the token-major layout this
-replaced scattered every token's row across all layers, and attention ran ~1.5x slower on it).
+The pool is plane-major (`BlockPool.layers`): one layer's keys of all blocks are one array, so
+a sequence's consecutive blocks are one contiguous run that attention streams (the token-major
+layout before the block-major one scattered every token's row across all layers, ~1.5x slower;
+block-major cut a layer's keys into 10 KB runs 245 KB apart, ~1.13x slower per decode step at
+batch 32).
 
 Queries arrive flat, `[num_tokens, num_heads, head_dim]`, sequence after sequence. Sequences are
 grouped by how many query tokens they bring (decode: 1; verify: 2..VERIFY_MAX; prefill chunks:
@@ -103,7 +105,8 @@ class _Group:
 
     def _gather(self, cache: torch.Tensor, workspace: dict | None, name: str,
                 compute: torch.dtype) -> torch.Tensor:
-        """cache [num_blocks, tpb, kv_heads, d] -> [b, kv_heads, lk, d] in `compute`: whole
+        """cache [num_blocks, chunks, tokens_per_chunk, kv_heads, d] -> [b, kv_heads, lk, d] in
+        `compute`: whole
         blocks copied into a reused buffer (a fresh one per layer costs page faults: 2.7 against
         1.45 ms a gather at batch 32); in another dtype, then converted, whole blocks in their
         layout, into a second reused buffer (converting into the transposed layout SDPA reads
@@ -114,7 +117,7 @@ class _Group:
                                out=_buffer(workspace, name, shape, cache.dtype, cache.device))
         if compute != cache.dtype:          # whole blocks, in their layout: one streaming pass
             g = _buffer(workspace, name + "_up", shape, compute, cache.device).copy_(g)
-        return g.view(self.batch, -1, *cache.shape[2:])[:, :self.lk].transpose(1, 2)
+        return g.view(self.batch, -1, *cache.shape[-2:])[:, :self.lk].transpose(1, 2)
 
     def run(self, q, k, v, k_cache, v_cache, out, scale, workspace, compute) -> None:
         if self.single:
@@ -146,7 +149,7 @@ class _Group:
 
     def _fused(self, q, k_cache, v_cache, scale) -> torch.Tensor | None:
         """[b * qmax, heads, d] from the fused kernel, or None where it cannot run here."""
-        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+        kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
         query = q.index_select(0, self.q_index).view(self.batch, self.qmax, kv_heads, -1, d)
         o = paged_attention(query, k_cache, v_cache, self.blocks, self.mask, scale)
         return None if o is None else o.view(-1, *q.shape[1:])
@@ -172,8 +175,8 @@ def _group_of(num_query: int) -> int:
 class PagedAttention:
     """The `attn(layer, q, k, v)` callable a model's forward uses for one batch.
 
-    layers: per layer, (k_cache, v_cache), each [num_blocks, tokens_per_block, kv_heads, d]
-    (`BlockPool.layers`).
+    layers: per layer, (k_cache, v_cache), each [num_blocks, chunks, tokens_per_chunk, kv_heads,
+    d] (`BlockPool.layers`).
     fused: every decode and verify group (single sequences too) runs the fused kernel
     (`engine/cpu_attention.py`, CPU), in any dtype; prefill chunks keep SDPA. False: gather +
     SDPA everywhere.
@@ -185,7 +188,8 @@ class PagedAttention:
         self.layers, self.scale = layers, scale
         self.workspace = {} if workspace is None else workspace
         k_cache = layers[0][0]
-        tpb, device = k_cache.shape[1], k_cache.device
+        per_chunk, device = k_cache.shape[2], k_cache.device
+        tpb = k_cache.shape[1] * per_chunk
         starts, blocks, offsets, groups = [], [], [], ([], [], [])
         start = 0
         for i, s in enumerate(seqs):
@@ -225,8 +229,9 @@ class PagedAttention:
         # float32 scores are the more exact. CUDA keeps the pool's dtype.
         self.compute = (torch.float32 if device.type == "cpu" and k_cache.dtype != torch.float32
                         else k_cache.dtype)
+        offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self.slots = (torch.tensor(blocks, dtype=torch.long, device=device),
-                      torch.tensor(offsets, dtype=torch.long, device=device))
+                      offsets // per_chunk, offsets % per_chunk)     # block, chunk, row
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.layers[layer]

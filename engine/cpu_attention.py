@@ -34,17 +34,17 @@ import torch
 log = logging.getLogger(__name__)
 
 # Shapes vary with every step (batch, query tokens, blocks, pool size); these dims are compiled
-# once as symbols. The model's own (KV heads, group, head dim, tokens per block) and the dtype
-# stay static, so loops over them are unrolled and vectorised (1.77 against 1.9 ms a layer with
-# them symbolic): one kernel per model shape, and one for decode (one query) and for several.
+# once as symbols. The model's own (KV heads, group, head dim, chunks, tokens per chunk) and the
+# dtype stay static, so loops over them are unrolled and vectorised (1.77 against 1.9 ms a layer
+# with them symbolic): one kernel per model shape, and one for decode (one query) and for several.
 _DYNAMIC = ((0, 1), (0,), (0,), (0, 1), (0, 1, 2))      # q, k, v, blocks, mask
 _RECOMPILE_LIMIT = 64            # each model shape and dtype a process serves is one entry
 
 
 def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
            mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [b, nq, kv_heads, group, d]; k_cache, v_cache [num_blocks, tpb, kv_heads, d] (one
-    layer of the pool); blocks [b, nb] each sequence's blocks in order; mask [b, nq, nb * tpb]
+    """q [b, nq, kv_heads, group, d]; k_cache, v_cache [num_blocks, chunks, tokens_per_chunk,
+    kv_heads, d] (one layer of the pool, `BlockPool.layers`); blocks [b, nb] each sequence's blocks in order; mask [b, nq, nb * tpb]
     (True: visible) -> [b, nq, kv_heads, group, d].
 
     Keys and values are read block by block, queries innermost (each key row scores every query
@@ -57,13 +57,13 @@ def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
     is 0.
     """
     b, nq, kv_heads, group, _ = q.shape
-    nb, tpb = blocks.shape[1], k_cache.shape[1]
-    k = k_cache[blocks].float()                                           # [b, nb, tpb, kvh, d]
+    nb, tpb = blocks.shape[1], k_cache.shape[1] * k_cache.shape[2]
+    k = k_cache[blocks].flatten(2, 3).float()                             # [b, nb, tpb, kvh, d]
     # Queries innermost: every query of a sequence is scored while a key row is in cache.
     s = (q.float()[:, None, None] * k[:, :, :, None, :, None]).sum(-1) * scale   # [b, nb, tpb, nq, kvh, g]
     s = s.flatten(1, 2).masked_fill(~mask.transpose(1, 2)[..., None, None], float("-inf"))
     e = torch.exp(s - s.amax(1, keepdim=True))                            # [b, keys, nq, kvh, g]
-    v = v_cache[blocks].float()
+    v = v_cache[blocks].flatten(2, 3).float()
     part = (e.view(b, nb, tpb, nq, kv_heads, group)[..., None]
             * v[:, :, :, None, :, None]).sum(2)                           # [b, nb, nq, kvh, g, d]
     return (part.sum(1) / e.sum(1)[..., None]).to(q.dtype)                # [b, nq, kvh, g, d]

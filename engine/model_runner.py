@@ -53,14 +53,15 @@ class ModelRunner:
         which would mean a compile while serving. Groups always bring >= 2 blocks
         (engine/attention.py)."""
         k_cache, v_cache = self.layers[0]
-        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+        kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
+        tpb = k_cache.shape[1] * k_cache.shape[2]
         group = self.forward.shape.num_heads // kv_heads
         for num_seqs in (3, 1):
             blocks = torch.zeros(num_seqs, 2, dtype=torch.long, device=self.device)
             for num_query in (1, 5):
                 q = torch.zeros(num_seqs, num_query, kv_heads, group, d, dtype=k_cache.dtype,
                                 device=self.device)
-                mask = torch.ones(num_seqs, num_query, 2 * k_cache.shape[1], dtype=torch.bool,
+                mask = torch.ones(num_seqs, num_query, 2 * tpb, dtype=torch.bool,
                                   device=self.device)
                 if paged_attention(q, k_cache, v_cache, blocks, mask, self.scale) is None:
                     self.fused = False               # cannot build it here: gather + SDPA

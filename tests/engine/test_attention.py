@@ -19,8 +19,8 @@ def reference(cache_k, cache_v, seqs, q, scale):
     for s in seqs:
         n = s.num_cached + s.num_query
         idx = torch.tensor(s.block_table)
-        k = cache_k.index_select(0, idx).flatten(0, 1)[:n].transpose(0, 1)[None].float()
-        v = cache_v.index_select(0, idx).flatten(0, 1)[:n].transpose(0, 1)[None].float()
+        k = cache_k.index_select(0, idx).flatten(0, 2)[:n].transpose(0, 1)[None].float()
+        v = cache_v.index_select(0, idx).flatten(0, 2)[:n].transpose(0, 1)[None].float()
         qq = q[start:start + s.num_query].transpose(0, 1)[None].float()
         mask = torch.arange(n)[None, :] <= torch.arange(s.num_cached, n)[:, None]
         o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -29,9 +29,17 @@ def reference(cache_k, cache_v, seqs, q, scale):
     return out
 
 
-def _pool(dtype, draft=False):
+def _pool(dtype, draft=None):
+    """draft: None, "shallow" (1 layer: its (layer, K/V) spans 2 of the 4 planes) or "deep"
+    (3 layers: 12 planes, so each target (layer, K/V) spans 3 chunks)."""
     target = (LAYERS, KV_HEADS, D)
-    return BlockPool(2 << 20, target, 4, dtype, "cpu", (1, 1, D) if draft else None)
+    shape = {None: None, "shallow": (1, 1, D), "deep": (3, 1, D)}[draft]
+    return BlockPool(2 << 20, target, 4, dtype, "cpu", shape)
+
+
+def _row(cache, block, offset):
+    """Token `offset` of `block` in one layer's [num_blocks, chunks, per_chunk, heads, d] view."""
+    return cache[block, offset // cache.shape[2], offset % cache.shape[2]]
 
 
 def _case(pool, layout, plan, rng, scattered):
@@ -59,14 +67,14 @@ PLANS = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("plan", sorted(PLANS))
-@pytest.mark.parametrize("layout", ["target", "draft"])
+@pytest.mark.parametrize("layout", ["target", "draft", "chunked"])
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 def test_batched_equals_per_sequence(dtype, plan, layout, scattered, fused):
     rng = random.Random(hash((plan, layout, scattered)) % 1000)
     torch.manual_seed(0)
-    pool = _pool(dtype, draft=layout == "draft")
-    lay = pool.target if layout == "target" else pool.draft
+    pool = _pool(dtype, draft={"target": None, "draft": "shallow", "chunked": "deep"}[layout])
+    lay = pool.draft if layout == "draft" else pool.target
     layers = pool.layers(lay)
     # Memory holds NaN before its blocks are handed out (as uninitialised memory or a stale NaN
     # may): attention must not read it, or (whole-block readers) must read it zeroed.
@@ -75,7 +83,8 @@ def test_batched_equals_per_sequence(dtype, plan, layout, scattered, fused):
     for s in seqs:
         for pos in range(s.num_cached):
             b, o = s.block_table[pos // lay.tokens_per_block], pos % lay.tokens_per_block
-            pool.view(lay)[b, :, :, o].normal_()           # every layer's K and V
+            for kc, vc in layers:                          # every layer's K and V
+                _row(kc, b, o).normal_(), _row(vc, b, o).normal_()
     total = sum(s.num_query for s in seqs)
     scale = D ** -0.5
     attn = PagedAttention(layers, seqs, scale, {}, fused=fused)
@@ -102,7 +111,8 @@ def test_batched_equals_per_sequence(dtype, plan, layout, scattered, fused):
             for j in range(s.num_query):
                 pos = s.num_cached + j
                 b, o = s.block_table[pos // lay.tokens_per_block], pos % lay.tokens_per_block
-                assert torch.equal(kc[b, o], k[start + j]) and torch.equal(vc[b, o], v[start + j])
+                assert torch.equal(_row(kc, b, o), k[start + j])
+                assert torch.equal(_row(vc, b, o), v[start + j])
             start += s.num_query
         ref = reference(kc, vc, seqs, q, scale)
         assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol), plan

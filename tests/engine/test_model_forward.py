@@ -58,7 +58,7 @@ def test_draft_view_shares_the_pool(tiny_family):
     st, sd = ft.shape, fd.shape
     pool = BlockPool(1 << 20, (st.num_layers, st.num_kv_heads, st.head_dim), 16, torch.float32, "cpu",
                      (sd.num_layers, sd.num_kv_heads, sd.head_dim))
-    assert pool.view(pool.draft).data_ptr() == pool.pool.data_ptr()
+    assert pool.layers(pool.draft)[0][0].data_ptr() == pool.pool.data_ptr()
     assert pool.draft.elems_per_block <= pool.block_elems
     blocks = pool.allocate(3, "draft")
     assert pool.bytes_used("draft") == 3 * pool.block_bytes

@@ -1,0 +1,44 @@
+"""The pool's plane-major layout: what makes attention stream, and what keeps blocks apart."""
+
+import pytest
+import torch
+
+from engine.kv_cache import BlockPool
+
+# (target, draft) KV shapes (layers, kv heads, head dim): a draft whose layers divide the
+# target's (reference-py: 12 and 2), one that does not, a deeper one, and none.
+SHAPES = [((12, 5, 8), (2, 4, 8)), ((2, 2, 16), (3, 2, 24)), ((4, 1, 8), (6, 1, 8)),
+          ((3, 2, 8), None)]
+
+
+@pytest.mark.parametrize("target, draft", SHAPES)
+def test_each_block_is_its_own_and_each_model_fills_it(target, draft):
+    """Writing every K and V row of one block through a model's views touches that block's
+    slice of the pool and nothing else, once per element; a draft fills the block exactly
+    where the sizes allow (it does in every shape here)."""
+    pool = BlockPool(1 << 20, target, 4, torch.float32, "cpu", draft)
+    for layout in filter(None, (pool.target, pool.draft)):
+        assert layout.tokens_per_block % layout.chunks == 0
+        for b in (0, 1, pool.num_blocks - 1):
+            pool.pool.zero_()
+            for kc, vc in pool.layers(layout):
+                assert kc.shape[1] * kc.shape[2] == layout.tokens_per_block
+                kc[b] += 1
+                vc[b] += 1
+            assert pool.pool.max() == 1                           # no element written twice
+            inside = pool.pool[:, b]
+            assert inside.sum() == layout.elems_per_block == pool.block_elems
+            assert pool.pool.sum() == inside.sum()                # nothing outside block b
+
+
+def test_a_sequence_of_consecutive_blocks_is_one_run_per_layer():
+    """One layer's keys of consecutive blocks are one contiguous run of memory (the hardware
+    prefetcher streams it; the block-major layout before put every block's run 2 * layers
+    runs apart, and a batch-32 decode step took 1.13x as long)."""
+    pool = BlockPool(1 << 22, (12, 5, 8), 16, torch.bfloat16, "cpu", (2, 4, 8))
+    assert pool.target.chunks == 1
+    for kc, vc in pool.layers(pool.target):
+        assert kc[5:9].is_contiguous() and vc[5:9].is_contiguous()
+    # the draft's (layer, K/V) spans 6 planes: one run per plane
+    kc, _ = pool.layers(pool.draft)[0]
+    assert kc.shape[1] == 6 and kc[5:9, 0].is_contiguous()
