@@ -163,6 +163,8 @@ DRAFT_FORGET = 0.9         # ... draft_excess: weight of the past per drafting s
 CAL_FORGET = 0.98          # CalibratedCost.calibrate: weight of the past per decode step
 CAL_PRIOR_VAR = (1.0, 0.25)  # ... and its prior variances: per_seq (ms^2), spec_scale
 CAL_SCALE_RANGE = (0.25, 4.0)
+PER_SEQ_PRIOR = 32.0       # ... draft_excess: per_seq_s's prior of 0, weighted as 32 batch-1 steps
+SCALE_RELAX = 0.02         # ... draft_excess: spec_scale's pull back to 1 per step nobody drafts
 
 
 @dataclass
@@ -211,13 +213,16 @@ class CalibratedCost:
     def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
         return self.spec_scale * self.base.draft_s(num_seqs, num_tokens, context_tokens)
 
-    def calibrate(self, ks: Sequence[int], context_tokens: int, seconds: float) -> None:
+    def calibrate(self, ks: Sequence[int], context_tokens: int, seconds: float,
+                  could_draft: bool = True) -> None:
         """Learn from one decode step (every sequence fed one token, sequence i drafting ks[i])
         that took `seconds`. Model: seconds = base verify forward + per_seq * n
         + spec_scale * (the base's draft rounds), fitted by recursive least squares
         with forgetting (CAL_FORGET per step), so that a varying k separates the two terms; with
         no drafting only per_seq moves. per_seq stays >= 0 (a base that overprices the target
-        stays overpriced), spec_scale within CAL_SCALE_RANGE."""
+        stays overpriced), spec_scale within CAL_SCALE_RANGE. could_draft: some sequence of
+        the step is speculative (draft_excess: only then does a step without drafting pull
+        spec_scale back, see below)."""
         n = len(ks)
         if self.draft_excess and any(ks):
             verify = self.base.target_s(n, n + sum(ks), context_tokens)
@@ -234,10 +239,28 @@ class CalibratedCost:
             # a fixed excess seen at a small batch (a draining batch of 2) must not become a
             # per-sequence price at batch 32 (an EWMA of residual / n made it 0.95 ms a
             # sequence at one thread: a 21.5 ms step priced at 49.6 ms).
+            # The prior (per_seq 0, PER_SEQ_PRIOR, never forgotten) keeps one step from setting
+            # the price: the first decode step of a process ran 6.8 against 4.3 ms (first-use
+            # costs), and with nothing else seen per_seq_s became 2.9 ms at batch 1; a
+            # speculative-only load has no later plain step to correct it, and at batch 32 that
+            # price left no time for drafting in `observed` above (spec_scale fell to its floor:
+            # 1,291 against 1,850 tok/s of plain decoding).
             residual = max(0.0, seconds - step_s(ks, self.base, context_tokens))
             self._pxy = CAL_FORGET * self._pxy + n * residual
             self._pxx = CAL_FORGET * self._pxx + n * n
-            self.per_seq_s = self._pxy / self._pxx
+            self.per_seq_s = self._pxy / (self._pxx + PER_SEQ_PRIOR)
+            # Speculative sequences, and nobody drafts: what drafting costs is not being
+            # measured, so its learnt price drifts back to the profile's (spec_scale 1). A price
+            # learnt at one load (drafting dear at batch 32) would otherwise hold k at 0 for
+            # good once load falls: nothing drafts, so nothing corrects it (reference-py, batch
+            # 1 after batch 32: 0.96x of plain decoding, acceptance 0, against 1.31x before
+            # batch 32). A price still true is learnt again by the first drafting steps
+            # (DRAFT_FORGET). Steps of baseline sequences alone keep it: no choice is stuck.
+            if not could_draft:
+                return
+            self._sxx *= DRAFT_FORGET
+            self.spec_scale += SCALE_RELAX * (1.0 - self.spec_scale)
+            self._sxy = self.spec_scale * self._sxx
             return
         if not self.learn_draft_scale:
             residual = max(0.0, seconds - step_s(ks, self.base, context_tokens)) / n

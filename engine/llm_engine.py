@@ -235,7 +235,8 @@ class LLMEngine:
         """
         if any(it.num_feed != 1 for it in items):      # decode steps only: prefill is noise here
             return
-        self.cost.calibrate([it.k for it in items], sum(len(it.seq.token_ids) for it in items), seconds)
+        self.cost.calibrate([it.k for it in items], sum(len(it.seq.token_ids) for it in items),
+                            seconds, could_draft=any(it.seq.speculative for it in items))
 
     def _apply(self, r: StepResult) -> RequestOutput | None:
         seq, it = r.item.seq, r.item
