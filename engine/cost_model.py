@@ -205,6 +205,8 @@ class CalibratedCost:
         # recursive least squares over (per_seq ms, spec_scale - 1), in milliseconds
         self._p = [[CAL_PRIOR_VAR[0], 0.0], [0.0, CAL_PRIOR_VAR[1]]]
         self._sxy = self._sxx = 0.0                # draft_excess: the regressions' sums
+        self._scale_n = 0.0                        # ... and the batch spec_scale was learnt at
+        self._draft_steps = 0                      #     (a bias-corrected forgetful mean)
         self._pxy = self._pxx = 0.0
 
     def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
@@ -230,6 +232,8 @@ class CalibratedCost:
             if drafting > 0:
                 observed = max(0.0, seconds - verify - self.per_seq_s * n)
                 self._sxy = DRAFT_FORGET * self._sxy + drafting * observed
+                self._scale_n = DRAFT_FORGET * self._scale_n + (1 - DRAFT_FORGET) * n
+                self._draft_steps += 1
                 self._sxx = DRAFT_FORGET * self._sxx + drafting * drafting
                 lo, hi = CAL_SCALE_RANGE
                 self.spec_scale = min(hi, max(lo, self._sxy / self._sxx))
@@ -249,14 +253,20 @@ class CalibratedCost:
             self._pxy = CAL_FORGET * self._pxy + n * residual
             self._pxx = CAL_FORGET * self._pxx + n * n
             self.per_seq_s = self._pxy / (self._pxx + PER_SEQ_PRIOR)
-            # Speculative sequences, and nobody drafts: what drafting costs is not being
-            # measured, so its learnt price drifts back to the profile's (spec_scale 1). A price
-            # learnt at one load (drafting dear at batch 32) would otherwise hold k at 0 for
-            # good once load falls: nothing drafts, so nothing corrects it (reference-py, batch
-            # 1 after batch 32: 0.96x of plain decoding, acceptance 0, against 1.31x before
-            # batch 32). A price still true is learnt again by the first drafting steps
-            # (DRAFT_FORGET). Steps of baseline sequences alone keep it: no choice is stuck.
-            if not could_draft:
+            # Speculative sequences at a load other than the one the draft's price was learnt
+            # at (under half or over twice that batch), and nobody drafts: the price is not
+            # being measured, so it drifts back to the profile's (spec_scale 1). A price learnt
+            # at one load (drafting dear at batch 32) would otherwise hold k at 0 for good once
+            # load falls: nothing drafts, so nothing corrects it (reference-py, batch 1 after
+            # batch 32: 0.96x of plain decoding, acceptance 0, against 1.31x before batch 32).
+            # At the same load the price stays: drifting there made k = 0 retry drafting every
+            # few dozen steps, each retry a catch-up prefill (reference-py-deep, batch 16 and
+            # 32: 0.86 and 0.91x of plain decoding against 1.04 and 0.99 without the drift).
+            # A price still true is learnt again by the first drafting steps (DRAFT_FORGET).
+            # Steps of baseline sequences alone keep it: no choice is stuck.
+            learnt_at = (self._scale_n / (1 - DRAFT_FORGET ** self._draft_steps)
+                         if self._draft_steps else n)
+            if not could_draft or learnt_at / 2 <= n <= 2 * learnt_at:
                 return
             self._sxx *= DRAFT_FORGET
             self.spec_scale += SCALE_RELAX * (1.0 - self.spec_scale)
