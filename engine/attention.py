@@ -106,10 +106,9 @@ class _Group:
     def _gather(self, cache: torch.Tensor, workspace: dict | None, name: str,
                 compute: torch.dtype) -> torch.Tensor:
         """cache [num_blocks, chunks, tokens_per_chunk, kv_heads, d] -> [b, kv_heads, lk, d] in
-        `compute`: whole
-        blocks copied into a reused buffer (a fresh one per layer costs page faults: 2.7 against
-        1.45 ms a gather at batch 32); in another dtype, then converted, whole blocks in their
-        layout, into a second reused buffer (converting into the transposed layout SDPA reads
+        `compute`: whole blocks copied into a reused buffer (a fresh one per layer costs page
+        faults: 2.7 against 1.45 ms a gather at batch 32); in another dtype, then converted,
+        whole blocks in their layout, into a second reused buffer (converting into the transposed layout SDPA reads
         contiguously cost ~1.4x the time, and SDPA runs as fast on the strided view)."""
         n = self.blocks.numel()
         shape = (n, *cache.shape[1:])

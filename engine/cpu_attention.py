@@ -44,8 +44,8 @@ _RECOMPILE_LIMIT = 64            # each model shape and dtype a process serves i
 def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
            mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [b, nq, kv_heads, group, d]; k_cache, v_cache [num_blocks, chunks, tokens_per_chunk,
-    kv_heads, d] (one layer of the pool, `BlockPool.layers`); blocks [b, nb] each sequence's blocks in order; mask [b, nq, nb * tpb]
-    (True: visible) -> [b, nq, kv_heads, group, d].
+    kv_heads, d] (one layer of the pool, `BlockPool.layers`); blocks [b, nb] each sequence's
+    blocks in order; mask [b, nq, nb * tpb] (True: visible) -> [b, nq, kv_heads, group, d].
 
     Keys and values are read block by block, queries innermost (each key row scores every query
     of its sequence while in cache: 2.7 against 3.0 ms a layer at 5 queries); the weighted sum
