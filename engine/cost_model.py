@@ -165,6 +165,7 @@ CAL_PRIOR_VAR = (1.0, 0.25)  # ... and its prior variances: per_seq (ms^2), spec
 CAL_SCALE_RANGE = (0.25, 4.0)
 PER_SEQ_PRIOR = 32.0       # ... draft_excess: per_seq_s's prior of 0, weighted as 32 batch-1 steps
 SCALE_RELAX = 0.02         # ... draft_excess: spec_scale's pull back to 1 per step nobody drafts
+                           #     at another load than it was learnt at
 
 
 @dataclass
@@ -194,19 +195,17 @@ class CalibratedCost:
     # on the batch size, through the origin), and whatever a drafting step costs beyond that
     # and the base's prices is the draft's: spec_scale = observed drafting time / the base's, a
     # forgetful regression through the origin over drafting steps (DRAFT_FORGET), within
-    # CAL_SCALE_RANGE. Measured
-    # on reference-py (bf16, 2 threads, batch 32, k = 3): the base priced the draft rounds at
-    # 6.2 ms, they took 8.0 (Python per round and sequence, the catch-up token); charged per
-    # sequence instead, that excess priced a 13 ms plain step at 24-56 ms, drafting looked
-    # cheap and adaptive k ran at 0.93x of plain decoding.
+    # CAL_SCALE_RANGE. Measured on reference-py (bf16, 2 threads, batch 32, k = 3): the base
+    # priced the draft rounds at 6.2 ms, they took 8.0 (Python per round and sequence, the
+    # catch-up token); charged per sequence instead, that excess priced a 13 ms plain step at
+    # 24-56 ms, drafting looked cheap and adaptive k ran at 0.93x of plain decoding.
     draft_excess: bool = False
 
     def __post_init__(self) -> None:
         # recursive least squares over (per_seq ms, spec_scale - 1), in milliseconds
         self._p = [[CAL_PRIOR_VAR[0], 0.0], [0.0, CAL_PRIOR_VAR[1]]]
         self._sxy = self._sxx = 0.0                # draft_excess: the regressions' sums
-        self._scale_n = 0.0                        # ... and the batch spec_scale was learnt at
-        self._draft_steps = 0                      #     (a bias-corrected forgetful mean)
+        self._scale_n: float | None = None         # ... and the batch spec_scale was learnt at
         self._pxy = self._pxx = 0.0
 
     def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
@@ -232,8 +231,8 @@ class CalibratedCost:
             if drafting > 0:
                 observed = max(0.0, seconds - verify - self.per_seq_s * n)
                 self._sxy = DRAFT_FORGET * self._sxy + drafting * observed
-                self._scale_n = DRAFT_FORGET * self._scale_n + (1 - DRAFT_FORGET) * n
-                self._draft_steps += 1
+                self._scale_n = n if self._scale_n is None else (
+                    DRAFT_FORGET * self._scale_n + (1 - DRAFT_FORGET) * n)
                 self._sxx = DRAFT_FORGET * self._sxx + drafting * drafting
                 lo, hi = CAL_SCALE_RANGE
                 self.spec_scale = min(hi, max(lo, self._sxy / self._sxx))
@@ -261,11 +260,11 @@ class CalibratedCost:
             # batch 32: 0.96x of plain decoding, acceptance 0, against 1.31x before batch 32).
             # At the same load the price stays: drifting there made k = 0 retry drafting every
             # few dozen steps, each retry a catch-up prefill (reference-py-deep, batch 16 and
-            # 32: 0.86 and 0.91x of plain decoding against 1.04 and 0.99 without the drift).
+            # 32: 0.86 and 0.91x of plain decoding against 1.04 and 0.99 without the drift,
+            # interleaved pairs on a loaded machine; gated, 0.95 and 0.94 on a quiet one).
             # A price still true is learnt again by the first drafting steps (DRAFT_FORGET).
             # Steps of baseline sequences alone keep it: no choice is stuck.
-            learnt_at = (self._scale_n / (1 - DRAFT_FORGET ** self._draft_steps)
-                         if self._draft_steps else n)
+            learnt_at = n if self._scale_n is None else self._scale_n
             if not could_draft or learnt_at / 2 <= n <= 2 * learnt_at:
                 return
             self._sxx *= DRAFT_FORGET
