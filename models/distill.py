@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.sampling_params import GREEDY_BELOW
 from models.rendezvous import free_port
 
 TOP_K = 64          # teacher log-probs kept per position (their mass is reported)
@@ -58,6 +59,10 @@ class DistillData:
             mask &= pos + 1 >= self.prompt_lens[:, None]
         return mask
 
+    def prompt_groups(self) -> list[bytes]:
+        """One key per row: rows with the same prompt (its several continuations) share it."""
+        return [self.tokens[i, :int(n)].numpy().tobytes() for i, n in enumerate(self.prompt_lens)]
+
     def save(self, path: Path) -> None:
         torch.save({"tokens": self.tokens, "lengths": self.lengths, "prompt_lens": self.prompt_lens,
                     "classes": self.classes}, path)
@@ -68,16 +73,22 @@ class DistillData:
         return cls(d["tokens"], d["lengths"], d["prompt_lens"], d["classes"])
 
 
-def split_heldout(classes: list[str], fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
-    """(train, held-out) row indices; every class keeps at least one held-out row."""
+def split_heldout(classes: list[str], fraction: float, seed: int = 0,
+                  groups: list | None = None) -> tuple[list[int], list[int]]:
+    """(train, held-out) row indices; every class keeps at least one held-out group. Rows of one
+    group (one prompt's several continuations) fall on one side together, so a held-out prompt
+    is one the student never trained on."""
+    groups = groups if groups is not None else list(range(len(classes)))
     g = torch.Generator().manual_seed(seed)
     train, held = [], []
     for cls in sorted(set(classes)):
-        rows = [i for i, c in enumerate(classes) if c == cls]
-        rows = [rows[j] for j in torch.randperm(len(rows), generator=g).tolist()]
-        n = max(1, round(len(rows) * fraction)) if len(rows) > 1 else 0
-        held += rows[:n]
-        train += rows[n:]
+        keys = list(dict.fromkeys(k for k, c in zip(groups, classes) if c == cls))
+        keys = [keys[j] for j in torch.randperm(len(keys), generator=g).tolist()]
+        n = max(1, round(len(keys) * fraction)) if len(keys) > 1 else 0
+        out = set(keys[:n])
+        for i, (k, c) in enumerate(zip(groups, classes)):
+            if c == cls:
+                (held if k in out else train).append(i)
     return sorted(train), sorted(held)
 
 
@@ -123,20 +134,29 @@ def distill_loss(student_logits, top_values, top_ids, targets, mask, temperature
     return kl_mean + ce_weight * (ce * m).sum() / n, kl_mean.item()
 
 
+def loss_temperature(temperature: float) -> float:
+    """The temperature the teacher's distribution is matched at: the served one, or 1 when the
+    draft serves greedy requests (the argmax is what is accepted then; the whole distribution at
+    1 carries its ranking, and the CE term pulls on the argmax tokens themselves)."""
+    return temperature if temperature >= GREEDY_BELOW else 1.0
+
+
 @torch.no_grad()
 def acceptance_by_class(target, student, data: DistillData, temperature: float,
                         batch_size: int = 16) -> dict:
     """Teacher-forced agreement on the continuation tokens, per class and overall:
-    `acceptance` = mean sum(min(p_T, q_T)) (a sampled draft token's acceptance probability),
-    `greedy` = P(argmax q == argmax p), `kl` = KL(p_T || q_T) in nats per token."""
+    `acceptance` = what a drafted token is accepted with at `temperature`: mean sum(min(p_T, q_T))
+    when sampled, P(argmax q == argmax p) when greedy (temperature 0);
+    `greedy` = P(argmax q == argmax p), `kl` = KL(p_T || q_T) in nats per token (T = 1 for greedy)."""
     sums: dict[str, list[float]] = {}
     mask = data.loss_mask(completion_only=True)
+    t = loss_temperature(temperature)
     for s in range(0, len(data.classes), batch_size):
         inp = data.tokens[s:s + batch_size]
-        p_log = F.log_softmax(target(input_ids=inp).logits[:, :-1].float() / temperature, -1)
-        q_log = F.log_softmax(student(input_ids=inp).logits[:, :-1].float() / temperature, -1)
-        acc = torch.minimum(p_log.exp(), q_log.exp()).sum(-1)
+        p_log = F.log_softmax(target(input_ids=inp).logits[:, :-1].float() / t, -1)
+        q_log = F.log_softmax(student(input_ids=inp).logits[:, :-1].float() / t, -1)
         greedy = (p_log.argmax(-1) == q_log.argmax(-1)).float()
+        acc = torch.minimum(p_log.exp(), q_log.exp()).sum(-1) if temperature >= GREEDY_BELOW else greedy
         kl = (p_log.exp() * (p_log - q_log)).sum(-1)
         for r, cls in enumerate(data.classes[s:s + batch_size]):
             m = mask[s + r]

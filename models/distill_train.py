@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from models.distill import (DistillData, acceptance_by_class, default_ds_config, distill_loss,
-                            init_deepspeed, save_hf, split_heldout, teacher_topk, write_report)
+                            init_deepspeed, loss_temperature, save_hf, split_heldout, teacher_topk,
+                            write_report)
 from models.loader import check_compatible, load_model
 
 KEEP_CHECKPOINTS = 2
@@ -46,11 +47,16 @@ def _prune(ckpt: Path) -> None:
 def run_distill(target_path: str | Path, student_path: str | Path, data: DistillData, out: str | Path,
                 temperature: float = 1.0, steps: int | None = None, minutes: float | None = None,
                 ds_config: dict | None = None, heldout: float = 0.15, seed: int = 0,
-                role: str = "draft", top_k: int = 64, checkpoint_every_s: float = 120.0, log=print) -> dict:
+                role: str = "draft", top_k: int = 64, checkpoint_every_s: float = 120.0,
+                validation: float = 0.05, eval_every_s: float = 60.0, log=print) -> dict:
     """Train the student in `student_path` towards the target on `data`; write `out`.
 
     `steps` counts DeepSpeed optimizer steps in total (a resumed run continues to it);
-    `minutes` bounds the training time, previous attempts included. Returns the report.
+    `minutes` bounds the training time, previous attempts included. Every `eval_every_s` the
+    student is scored on a validation share of the training prompts (`validation`; never the
+    held-out ones) at the served temperature, and the best-scoring weights are what `out`
+    gets (early stopping: a small draft memorises a few hundred prompts' continuations and
+    gets worse on new prompts, notes/issue12.md). Returns the report.
     """
     from tqdm.auto import tqdm
 
@@ -62,8 +68,14 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     target = load_model(target_path)
     student = load_model(student_path)
     check_compatible(target, student, role)        # vocabulary size and every token's id
-    train_idx, held_idx = split_heldout(data.classes, heldout, seed)
-    train_data, held_data = data.subset(train_idx), data.subset(held_idx)
+    train_idx, held_idx = split_heldout(data.classes, heldout, seed, data.prompt_groups())
+    held_data = data.subset(held_idx)
+    train_data = data.subset(train_idx)
+    fit, val = split_heldout(train_data.classes, validation, seed + 1, train_data.prompt_groups())
+    if not validation or not fit:
+        fit, val = list(range(len(train_idx))), []
+    val_data, train_data = train_data.subset(val), train_data.subset(fit)
+    t_loss = loss_temperature(temperature)
 
     cache = out / "teacher.pt"
     t0 = time.monotonic()
@@ -73,7 +85,7 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     elif cache.exists():
         values, ids, mass = torch.load(cache).values()
     else:
-        values, ids, mass = teacher_topk(target.model, train_data, temperature, min(top_k, target.vocab_size))
+        values, ids, mass = teacher_topk(target.model, train_data, t_loss, min(top_k, target.vocab_size))
         torch.save({"values": values, "ids": ids, "mass": mass}, cache)
     teacher_s = time.monotonic() - t0
     log(f"teacher top-{top_k or 'all'}: {mass:.3f} of the probability mass, {teacher_s:.0f} s")
@@ -88,6 +100,9 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
 
     config = ds_config or default_ds_config()
     model = student.model.float().train()
+    best = _Best(out / "best.pt", target.model, val_data, temperature)
+    if best.step is None:            # the student as given (before DeepSpeed casts it): kept if
+        best.offer(0, model)         # no training step beats it
     engine, optimizer, _ = init_deepspeed(model, config)
     elapsed = 0.0
     if any(ckpt.glob("step*")):
@@ -101,16 +116,21 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
            if steps else tqdm(total=round(budget_s), initial=round(elapsed), unit="s", desc=f"distil {role}"))
     start, last_ckpt, recent = time.monotonic() - elapsed, time.monotonic(), []
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else None
+    last_eval = time.monotonic()
     while True:
         done = time.monotonic() - start
         if (steps and engine.global_steps >= steps) or (budget_s and done >= budget_s):
             break
+        if time.monotonic() - last_eval >= eval_every_s:
+            best.offer(engine.global_steps, engine.module)
+            bar.set_postfix(step=engine.global_steps, best=f"{best.score:.3f}@{best.step}", refresh=False)
+            last_eval = time.monotonic()
         inputs, labels, mask, v, i = _batch(train_data, values, ids, size, seed_r, engine.global_steps)
         if values is None:
             with torch.no_grad():
-                v = torch.log_softmax(target.model(input_ids=inputs).logits.float() / temperature, -1)
+                v = torch.log_softmax(target.model(input_ids=inputs).logits.float() / t_loss, -1)
         logits = engine(input_ids=inputs).logits
-        loss, kl = distill_loss(logits, v, i, labels, mask, temperature)
+        loss, kl = distill_loss(logits, v, i, labels, mask, t_loss)
         engine.backward(loss.to(dtype) if dtype else loss)
         before_step = engine.global_steps
         engine.step()
@@ -129,7 +149,11 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     engine.save_checkpoint(str(ckpt), tag=f"step{engine.global_steps}",
                            client_state={"elapsed_s": trained_s})
     _prune(ckpt)
-    save_hf(engine.module, Path(target_path), out)
+    best.offer(engine.global_steps, engine.module)
+    kept = load_model(student_path).model.float()
+    kept.load_state_dict(best.state() or engine.module.state_dict())
+    log(f"kept the weights of step {best.step} (validation acceptance {best.score:.4f})")
+    save_hf(kept, Path(target_path), out)
     after = acceptance_by_class(target.model, load_model(out).model, held_data, temperature)
     log("held-out after:  " + _fmt(after))
     report = {"role": role, "target": str(target.path), "student": str(student.path),
@@ -144,12 +168,48 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                        "classes": sorted(set(data.classes)), "teacher_top_k": top_k,
                        "teacher_mass": round(mass, 4), "teacher_s": round(teacher_s, 1)},
               "train": {"seconds": round(trained_s, 1), "final_kl": round(sum(recent) / max(1, len(recent)), 4)
-                        if recent else None},
+                        if recent else None,
+                        "kept_step": best.step, "validation_rows": len(val),
+                        "validation": best.history},
               "heldout": {"before": before, "after": after,
                           "delta": {c: round(after[c]["acceptance"] - before[c]["acceptance"], 4)
                                     for c in after if c in before}}}
     write_report(out, report)
     return report
+
+
+class _Best:
+    """The best student so far by validation acceptance at the served temperature (all classes,
+    token-weighted), kept on disk so a resumed run still knows it."""
+
+    def __init__(self, path: Path, target, val: DistillData, temperature: float):
+        self.path, self.target, self.val, self.temperature = path, target, val, temperature
+        self.step, self.score, self.history = None, float("-inf"), []
+        if path.exists():
+            saved = torch.load(path)
+            self.step, self.score, self.history = saved["step"], saved["score"], saved["history"]
+
+    def offer(self, step: int, module) -> None:
+        if not self.val.classes:
+            self.step, self.score = step, float("nan")
+            return
+        module.eval()
+        score = acceptance_by_class(self.target, module, self.val, self.temperature)["all"]["acceptance"]
+        module.train()
+        self.history.append([step, score])
+        if score > self.score or self.step == step:
+            self.step, self.score = step, score
+            torch.save({"step": step, "score": score, "history": self.history,
+                        "state": {k: v.detach().float().clone() for k, v in module.state_dict().items()}},
+                       self.path)
+        else:
+            saved = torch.load(self.path)
+            saved["history"] = self.history
+            torch.save(saved, self.path)
+
+    def state(self) -> dict | None:
+        """The kept weights (fp32), or None without a validation set (the last weights stand)."""
+        return torch.load(self.path)["state"] if self.val.classes and self.path.exists() else None
 
 
 def _fmt(acc: dict) -> str:

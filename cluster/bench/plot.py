@@ -79,4 +79,16 @@ def table(report: dict) -> str:
         p95 = f"{c['p95_ratio']:.3f}" if c["p95_ratio"] else "-"
         lines.append(f"  {c['load_kind']}={c['load']:g}: best {c['best_fixed']:>15}  "
                      f"throughput {c['throughput_ratio']:.3f}x  p95 {p95}x")
+    for run in report.get("runs", []):
+        if run.get("timeline"):
+            lines += [f"\ntimeline of {run['policy']} at {run['load_kind']}={run['load']:g} "
+                      f"#{run['repeat'] + 1} (requests finished per bucket; acceptance, TPOT p50 ms):"]
+            for row in run["timeline"]:
+                cells = "  ".join(f"{c}: {v['requests']} {_fmt(v['acceptance_rate'])} "
+                                  f"{_fmt(v['tpot_p50_s'], 1000, 0)}" for c, v in row["classes"].items())
+                lines.append(f"  t={row['t0_s']:>7.1f}s  failed {row['failed']}  {cells}")
     return "\n".join(lines)
+
+
+def _fmt(v, scale=1.0, digits=3) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"

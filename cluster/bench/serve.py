@@ -50,6 +50,8 @@ def add_arguments(parser) -> None:
     a("--slo-tpot-s", type=float, default=0.1, help="SLO: time per output token")
     a("--timeout-s", type=float, default=300.0, help="HTTP timeout of one request")
     a("--seed", type=int, default=0)
+    a("--timeline-s", type=float, default=0.0,
+      help="also report each run in buckets of this many seconds, per class (0: off)")
     a("--out", default="bench-results/serve", help="output path prefix (.json, .png)")
     a("--no-plot", action="store_true")
 
@@ -97,7 +99,7 @@ async def bench(url: str, key: str, args, progress=True) -> dict:
     from tqdm import tqdm
 
     from cluster.bench.client import POLICIES, Workload
-    from cluster.bench.stats import SLO, mean_ci95, summarize
+    from cluster.bench.stats import SLO, mean_ci95, summarize, timeline
 
     policies = _list(args.policies, str)
     unknown = set(policies) - set(POLICIES)
@@ -130,6 +132,8 @@ async def bench(url: str, key: str, args, progress=True) -> dict:
                     summary = summarize([(recs, start, end)], slo)
                     summary.update(policy=policy, load_kind=load[0], load=load[1], repeat=rep,
                                    health_peaks=peaks)
+                    if args.timeline_s > 0:
+                        summary["timeline"] = timeline(recs, start, end, args.timeline_s)
                     runs.append(summary)
                     windows[policy].append((recs, start, end))
                     bar.set_postfix(tok_s=f"{summary['output_tok_s']:.1f}",

@@ -143,6 +143,31 @@ def summarize(windows: list[tuple[list[RequestRecord], float, float]], slo: SLO)
     }
 
 
+def timeline(records: list[RequestRecord], start: float, end: float, bucket_s: float) -> list[dict]:
+    """Per `bucket_s` of the run (requests by when they finished, from the window's start; the
+    warm-up's buckets have negative starts), per prompt class: requests, token-weighted
+    acceptance of the speculative ones, median TPOT; and the failures. Shows what a change in
+    the middle of a run (a draft swapped in) did, class by class."""
+    first = min((r.sent for r in records), default=start)
+    out = []
+    t = start - math.ceil((start - first) / bucket_s) * bucket_s
+    while t < end:
+        done = [r for r in records if r.finished is not None and t <= r.finished < t + bucket_s]
+        row = {"t0_s": round(t - start, 3), "failed": sum(1 for r in done if not r.ok), "classes": {}}
+        for cls in sorted({r.prompt_class for r in done if r.ok}):
+            ok = [r for r in done if r.ok and r.prompt_class == cls]
+            spec = [r for r in ok if r.acceptance_rate is not None and r.completion_tokens]
+            n = sum(r.completion_tokens for r in spec)
+            tpots = [r.tpot for r in ok if r.tpot is not None]
+            row["classes"][cls] = {
+                "requests": len(ok),
+                "acceptance_rate": sum(r.acceptance_rate * r.completion_tokens for r in spec) / n if n else None,
+                "tpot_p50_s": statistics.median(tpots) if tpots else None}
+        out.append(row)
+        t += bucket_s
+    return out
+
+
 def mean_ci95(values: list[float]) -> dict:
     """Mean, sample standard deviation and the 95% confidence half-width (Student t)."""
     n = len(values)

@@ -25,10 +25,14 @@ def add_arguments(p) -> None:
     budget.add_argument("--steps", type=int, help="DeepSpeed optimizer steps in total")
     p.add_argument("--role", choices=("draft", "small"), default="draft")
     p.add_argument("--ds-config", help="DeepSpeed JSON config (ZeRO stage, offload, bf16, optimizer)")
-    p.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature served")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="the sampling temperature served (0: greedy; acceptance is then argmax agreement)")
     p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt")
     p.add_argument("--samples", type=int, default=1, help="target continuations per prompt")
     p.add_argument("--heldout", type=float, default=0.15, help="fraction of prompts held out per class")
+    p.add_argument("--validation", type=float, default=0.05,
+                   help="fraction of the training prompts that pick the best weights (early stopping)")
+    p.add_argument("--eval-every-s", type=float, default=60.0, help="seconds between validation scores")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-prompt-tokens", type=int, default=96)
@@ -105,7 +109,8 @@ def run(args) -> int:
         report = run_distill(args.target, args.draft, data, args.out, args.temperature,
                              steps=args.steps, minutes=args.minutes, ds_config=config,
                              heldout=args.heldout, seed=args.seed, role=args.role,
-                             top_k=args.top_k)
+                             top_k=args.top_k, validation=args.validation,
+                             eval_every_s=args.eval_every_s)
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"specserve draft distill: {exc}", file=sys.stderr)
         return 1
@@ -115,13 +120,20 @@ def run(args) -> int:
 
 
 def write_heldout_prompts(args, data) -> None:
-    """OUT/heldout_prompts.jsonl: the held-out prompts as text, for `specserve draft bench`."""
+    """OUT/heldout_prompts.jsonl: the held-out prompts as text, for `specserve draft bench`; the
+    same split by class in OUT/heldout/CLASS.jsonl, for `specserve bench serve --prompts`."""
     from models.distill import split_heldout
     from models.distill_prompts import write_prompts
     from models.loader import load_tokenizer
 
     tok = load_tokenizer(args.target)
-    _, held = split_heldout(data.classes, args.heldout, args.seed)
+    groups = data.prompt_groups()
+    _, held = split_heldout(data.classes, args.heldout, args.seed, groups)
+    held = list({groups[i]: i for i in reversed(held)}.values())     # one row per prompt
     rows = [{"prompt": tok.decode(data.tokens[i, :int(data.prompt_lens[i])].tolist()),
              "class": data.classes[i]} for i in held]
     write_prompts(Path(args.out) / "heldout_prompts.jsonl", rows)
+    by_class = Path(args.out) / "heldout"          # CLASS.jsonl files: `bench serve --prompts`
+    by_class.mkdir(exist_ok=True)
+    for cls in sorted({r["class"] for r in rows}):
+        write_prompts(by_class / f"{cls}.jsonl", [r for r in rows if r["class"] == cls])

@@ -94,3 +94,28 @@ def test_mean_ci95_uses_student_t():
     assert out["std"] == pytest.approx(math.sqrt(2))
     assert out["ci95"] == pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2))
     assert mean_ci95([5.0])["ci95"] is None
+
+
+def test_timeline_buckets_by_finish_time_and_class():
+    """A draft swapped in mid-run shows as a step in one class's acceptance: the buckets must put
+    each request where it finished and weight acceptance by its tokens."""
+    from cluster.bench.stats import timeline
+
+    def rec(cls, sent, finished, tokens, acc, status=200):
+        r = _rec(sent, sent + 0.1, finished - 0.01, tokens, status=status, finished=finished)
+        r.prompt_class, r.acceptance_rate = cls, acc
+        return r
+
+    recs = [rec("chat", -3.0, -0.5, 10, 0.5),                      # warm-up bucket [-4, 0)
+            rec("chat", 0.0, 1.0, 10, 0.5), rec("chat", 0.5, 3.0, 30, 0.9),
+            rec("code", 1.0, 3.5, 4, 0.8), rec("code", 2.0, 3.9, 4, None),
+            rec("chat", 3.0, 4.5, 10, 0.7), rec("chat", 4.5, 5.0, 1, 0.0, status=500)]
+    rows = timeline(recs, start=0.0, end=8.0, bucket_s=4.0)
+    assert [r["t0_s"] for r in rows] == [-4.0, 0.0, 4.0]
+    assert rows[0]["classes"]["chat"]["requests"] == 1
+    mid = rows[1]["classes"]
+    assert mid["chat"]["requests"] == 2
+    assert mid["chat"]["acceptance_rate"] == pytest.approx((0.5 * 10 + 0.9 * 30) / 40)
+    assert mid["code"]["requests"] == 2 and mid["code"]["acceptance_rate"] == pytest.approx(0.8)
+    assert mid["code"]["tpot_p50_s"] == pytest.approx(((3.49 - 1.1) / 3 + (3.89 - 2.1) / 3) / 2)
+    assert rows[2]["failed"] == 1 and rows[2]["classes"]["chat"]["requests"] == 1

@@ -51,6 +51,10 @@ def test_output_is_a_checkpoint_the_loader_accepts(distilled, tiny_family):
     student = load_model(distilled)
     assert student.vocab_size == target.vocab_size
     assert student.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+    held = read_prompts(distilled / "heldout_prompts.jsonl")
+    assert len({r["prompt"] for r in held}) == len(held)          # one row per held-out prompt
+    for cls in ("chat", "code", "prose"):                          # bench serve's --prompts layout
+        assert read_prompts(distilled / "heldout" / f"{cls}.jsonl") == [r for r in held if r["class"] == cls]
 
 
 def test_resume_continues_from_the_deepspeed_checkpoint(distilled, tiny_family, prompts, tmp_path, capsys):
@@ -118,3 +122,66 @@ def test_swap_guard_refuses_a_class_that_got_worse(tmp_path):
     assert "chat" in report(0.47)[0]               # chat -0.03 is refused
     (tmp_path / "distill.json").unlink()
     assert "distill.json" in guard(tmp_path)[0]
+
+
+def test_held_out_prompts_never_trained_on():
+    """With several continuations a prompt, the split is by prompt: a row-wise split put some
+    of a held-out prompt's continuations in the training rows (measured agreement then
+    included prompts the student had seen)."""
+    import torch
+
+    from models.distill import DistillData, split_heldout
+
+    rows = [([p, p + 1, cls], [7, 8, 9 + s], "abc"[cls]) for p in range(2, 60, 2) for cls in range(3)
+            for s in range(4)]
+    data = DistillData.from_rows(rows)
+    groups = data.prompt_groups()
+    train, held = split_heldout(data.classes, 0.25, 0, groups)
+    assert sorted(train + held) == list(range(len(rows)))
+    assert not {groups[i] for i in train} & {groups[i] for i in held}
+    assert {data.classes[i] for i in held} == {"a", "b", "c"}
+    per_class = {c: len({groups[i] for i in held if data.classes[i] == c}) for c in "abc"}
+    assert all(n == round(29 * 0.25) for n in per_class.values())
+    assert torch.equal(data.subset(held).tokens[0, :3], data.tokens[held[0], :3])
+
+
+def test_greedy_acceptance_is_argmax_agreement(tiny_family):
+    """At temperature 0 a drafted token is accepted exactly when it is the target's argmax."""
+    import torch
+
+    from models.distill import DistillData, acceptance_by_class
+
+    target, draft = load_model(tiny_family["target"]).model, load_model(tiny_family["draft"]).model
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(5, 300, (6,), generator=g).tolist(),
+             torch.randint(5, 300, (10,), generator=g).tolist(), "x") for _ in range(4)]
+    data = DistillData.from_rows(rows)
+    greedy = acceptance_by_class(target, draft, data, 0.0)["x"]
+    sampled = acceptance_by_class(target, draft, data, 1.0)["x"]
+    assert greedy["acceptance"] == greedy["greedy"] == sampled["greedy"]
+    assert greedy["acceptance"] != sampled["acceptance"]
+    assert acceptance_by_class(target, target, data, 0.0)["x"]["acceptance"] == 1.0
+
+
+def test_a_run_that_only_gets_worse_keeps_the_given_draft(tiny_family, prompts, tmp_path):
+    """Early stopping: scored on validation prompts, a run whose training hurts (a learning rate
+    far too high) hands back the draft it was given, not its last weights."""
+    import torch
+
+    from models.distill import default_ds_config
+
+    config = default_ds_config(8, 3.0)
+    config["scheduler"]["params"]["warmup_num_steps"] = 1
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    out = tmp_path / "worse"
+    assert _distill(tiny_family, prompts, out, "--steps", "8", "--top-k", "0", "--ds-config",
+                    str(tmp_path / "ds.json"), "--validation", "0.2") == 0
+    report = json.loads((out / "distill.json").read_text())
+    history = report["train"]["validation"]
+    assert history[0][0] == 0 and history[-1][0] == 8
+    assert history[-1][1] < history[0][1]                  # the training did hurt
+    assert report["train"]["kept_step"] == 0
+    given, kept = load_model(tiny_family["draft"]).model, load_model(out).model
+    for (name, a), b in zip(given.state_dict().items(), kept.state_dict().values()):
+        assert torch.equal(a.float(), b.float()), name
+    assert report["heldout"]["after"] == report["heldout"]["before"]
