@@ -79,6 +79,7 @@ def split_heldout(classes: list[str], fraction: float, seed: int = 0,
     group (one prompt's several continuations) fall on one side together, so a held-out prompt
     is one the student never trained on."""
     groups = groups if groups is not None else list(range(len(classes)))
+    classes = [base_class(c) for c in classes]    # a prompt continued at two temperatures: one side
     g = torch.Generator().manual_seed(seed)
     train, held = [], []
     for cls in sorted(set(classes)):
@@ -134,11 +135,41 @@ def distill_loss(student_logits, top_values, top_ids, targets, mask, temperature
     return kl_mean + ce_weight * (ce * m).sum() / n, kl_mean.item()
 
 
-def loss_temperature(temperature: float) -> float:
-    """The temperature the teacher's distribution is matched at: the served one, or 1 when the
-    draft serves greedy requests (the argmax is what is accepted then; the whole distribution at
-    1 carries its ranking, and the CE term pulls on the argmax tokens themselves)."""
-    return temperature if temperature >= GREEDY_BELOW else 1.0
+def loss_temperature(temperatures: float | list[float]) -> float:
+    """The temperature the teacher's distribution is matched at: the (highest) served one, or 1
+    when the draft serves greedy requests only (the argmax is what is accepted then; the whole
+    distribution at 1 carries its ranking, and the CE term pulls on the argmax tokens)."""
+    temps = [temperatures] if isinstance(temperatures, (int, float)) else temperatures
+    return max((t for t in temps if t >= GREEDY_BELOW), default=1.0)
+
+
+def at_temperature(cls: str, temperature: float) -> str:
+    """The label of a class's rows continued at one of several served temperatures."""
+    return f"{cls}@T{temperature:g}"
+
+
+def base_class(label: str) -> str:
+    return label.split("@T")[0]
+
+
+def served_acceptance(target, student, data: DistillData, temperatures: list[float]) -> dict:
+    """`acceptance_by_class` at the served temperature; with several, each temperature's rows
+    (labelled `at_temperature`) at their own, keys `class@T..` and `all@T..`, and `all` the
+    token-weighted whole."""
+    if len(temperatures) == 1:
+        return acceptance_by_class(target, student, data, temperatures[0])
+    out: dict[str, dict] = {}
+    for t in temperatures:
+        rows = [i for i, c in enumerate(data.classes) if c.endswith(at_temperature("", t))]
+        if rows:
+            part = acceptance_by_class(target, student, data.subset(rows), t)
+            part[at_temperature("all", t)] = part.pop("all")
+            out.update(part)
+    parts = [v for k, v in out.items() if k.startswith("all@T")]
+    n = sum(v["tokens"] for v in parts)
+    out["all"] = {m: round(sum(v[m] * v["tokens"] for v in parts) / max(n, 1), 4)
+                  for m in ("acceptance", "greedy", "kl")} | {"tokens": n}
+    return dict(sorted(out.items()))
 
 
 @torch.no_grad()

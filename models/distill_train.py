@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from models.distill import (DistillData, acceptance_by_class, default_ds_config, distill_loss,
-                            init_deepspeed, loss_temperature, save_hf, split_heldout, teacher_topk,
-                            write_report)
+from models.distill import (DistillData, default_ds_config, distill_loss, init_deepspeed,
+                            loss_temperature, save_hf, served_acceptance, split_heldout,
+                            teacher_topk, write_report)
 from models.loader import check_compatible, load_model
 
 KEEP_CHECKPOINTS = 2
@@ -45,10 +45,11 @@ def _prune(ckpt: Path) -> None:
 
 
 def run_distill(target_path: str | Path, student_path: str | Path, data: DistillData, out: str | Path,
-                temperature: float = 1.0, steps: int | None = None, minutes: float | None = None,
+                temperature: float | list[float] = 1.0, steps: int | None = None, minutes: float | None = None,
                 ds_config: dict | None = None, heldout: float = 0.15, seed: int = 0,
                 role: str = "draft", top_k: int = 64, checkpoint_every_s: float = 120.0,
-                validation: float = 0.05, eval_every_s: float = 60.0, log=print) -> dict:
+                validation: float = 0.05, eval_every_s: float = 60.0,
+                guard_data: DistillData | None = None, log=print) -> dict:
     """Train the student in `student_path` towards the target on `data`; write `out`.
 
     `steps` counts DeepSpeed optimizer steps in total (a resumed run continues to it);
@@ -56,7 +57,10 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     student is scored on a validation share of the training prompts (`validation`; never the
     held-out ones) at the served temperature, and the best-scoring weights are what `out`
     gets (early stopping: a small draft memorises a few hundred prompts' continuations and
-    gets worse on new prompts, notes/issue12.md). Returns the report.
+    gets worse on new prompts, notes/issue12.md). With several served temperatures (a list)
+    `data`'s rows are labelled `class@T..` (`models.distill.at_temperature`) and each is scored
+    at its own. `guard_data` (other traffic the draft serves, never trained on) is scored before
+    and after as well, for the swap's guard. Returns the report.
     """
     from tqdm.auto import tqdm
 
@@ -75,7 +79,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     if not validation or not fit:
         fit, val = list(range(len(train_idx))), []
     val_data, train_data = train_data.subset(val), train_data.subset(fit)
-    t_loss = loss_temperature(temperature)
+    temps = [temperature] if isinstance(temperature, (int, float)) else list(temperature)
+    t_loss = loss_temperature(temps)
 
     cache = out / "teacher.pt"
     t0 = time.monotonic()
@@ -94,13 +99,20 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     if before_file.exists():
         before = json.loads(before_file.read_text())
     else:
-        before = acceptance_by_class(target.model, student.model, held_data, temperature)
+        before = served_acceptance(target.model, student.model, held_data, temps)
         before_file.write_text(json.dumps(before))
     log("held-out before: " + _fmt(before))
+    guard_file = out / "guard_before.json"
+    if guard_data is not None and guard_file.exists():
+        guard_before = json.loads(guard_file.read_text())
+    elif guard_data is not None:
+        guard_before = served_acceptance(target.model, student.model, guard_data, temps)
+        guard_file.write_text(json.dumps(guard_before))
+        log("guard set before: " + _fmt(guard_before))
 
     config = ds_config or default_ds_config()
     model = student.model.float().train()
-    best = _Best(out / "best.pt", target.model, val_data, temperature)
+    best = _Best(out / "best.pt", target.model, val_data, temps)
     if best.step is None:            # the student as given (before DeepSpeed casts it): kept if
         best.offer(0, model)         # no training step beats it
     engine, optimizer, _ = init_deepspeed(model, config)
@@ -154,10 +166,17 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     kept.load_state_dict(best.state() or engine.module.state_dict())
     log(f"kept the weights of step {best.step} (validation acceptance {best.score:.4f})")
     save_hf(kept, Path(target_path), out)
-    after = acceptance_by_class(target.model, load_model(out).model, held_data, temperature)
+    reloaded = load_model(out).model
+    after = served_acceptance(target.model, reloaded, held_data, temps)
     log("held-out after:  " + _fmt(after))
+    guard = None
+    if guard_data is not None:
+        guard_after = served_acceptance(target.model, reloaded, guard_data, temps)
+        log("guard set after:  " + _fmt(guard_after))
+        guard = {"before": guard_before, "after": guard_after, "delta": _delta(guard_before, guard_after)}
     report = {"role": role, "target": str(target.path), "student": str(student.path),
-              "temperature": temperature, "trainer": "deepspeed",
+              "temperature": temps[0] if len(temps) == 1 else temps, "loss_temperature": t_loss,
+              "trainer": "deepspeed",
               "deepspeed": {"global_steps": engine.global_steps,
                             "optimizer": type(optimizer).__name__,
                             "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
@@ -171,9 +190,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                         if recent else None,
                         "kept_step": best.step, "validation_rows": len(val),
                         "validation": best.history},
-              "heldout": {"before": before, "after": after,
-                          "delta": {c: round(after[c]["acceptance"] - before[c]["acceptance"], 4)
-                                    for c in after if c in before}}}
+              "heldout": {"before": before, "after": after, "delta": _delta(before, after)},
+              "guard": guard}
     write_report(out, report)
     return report
 
@@ -182,8 +200,8 @@ class _Best:
     """The best student so far by validation acceptance at the served temperature (all classes,
     token-weighted), kept on disk so a resumed run still knows it."""
 
-    def __init__(self, path: Path, target, val: DistillData, temperature: float):
-        self.path, self.target, self.val, self.temperature = path, target, val, temperature
+    def __init__(self, path: Path, target, val: DistillData, temperatures: list[float]):
+        self.path, self.target, self.val, self.temperatures = path, target, val, temperatures
         self.step, self.score, self.history = None, float("-inf"), []
         if path.exists():
             saved = torch.load(path)
@@ -194,7 +212,7 @@ class _Best:
             self.step, self.score = step, float("nan")
             return
         module.eval()
-        score = acceptance_by_class(self.target, module, self.val, self.temperature)["all"]["acceptance"]
+        score = served_acceptance(self.target, module, self.val, self.temperatures)["all"]["acceptance"]
         module.train()
         self.history.append([step, score])
         if score > self.score or self.step == step:
@@ -210,6 +228,10 @@ class _Best:
     def state(self) -> dict | None:
         """The kept weights (fp32), or None without a validation set (the last weights stand)."""
         return torch.load(self.path)["state"] if self.val.classes and self.path.exists() else None
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {c: round(after[c]["acceptance"] - before[c]["acceptance"], 4) for c in after if c in before}
 
 
 def _fmt(acc: dict) -> str:

@@ -25,8 +25,11 @@ def add_arguments(p) -> None:
     budget.add_argument("--steps", type=int, help="DeepSpeed optimizer steps in total")
     p.add_argument("--role", choices=("draft", "small"), default="draft")
     p.add_argument("--ds-config", help="DeepSpeed JSON config (ZeRO stage, offload, bf16, optimizer)")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="the sampling temperature served (0: greedy; acceptance is then argmax agreement)")
+    p.add_argument("--temperature", type=_temperatures, default=[1.0],
+                   help="the sampling temperature served, or several comma-separated (0: greedy; "
+                        "acceptance is then argmax agreement); continuations at each")
+    p.add_argument("--guard-prompts", help="JSONL prompts of other traffic the draft serves: never "
+                   "trained on, scored before and after; `draft swap` refuses a drop there too")
     p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt")
     p.add_argument("--samples", type=int, default=1, help="target continuations per prompt")
     p.add_argument("--heldout", type=float, default=0.15, help="fraction of prompts held out per class")
@@ -40,6 +43,13 @@ def add_arguments(p) -> None:
     p.add_argument("--top-k", type=int, default=64, help="teacher log-probs cached per position")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the default config")
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch of the default config")
+
+
+def _temperatures(text: str) -> list[float]:
+    temps = [float(t) for t in text.split(",") if t.strip()]
+    if not temps or any(t < 0 for t in temps) or len(set(temps)) < len(temps):
+        raise ValueError(f"--temperature: distinct numbers >= 0, got {text!r}")
+    return temps
 
 
 def generate(target: str, prompts: list[list[int]], new_tokens: int, temperature: float,
@@ -70,24 +80,32 @@ def generate(target: str, prompts: list[list[int]], new_tokens: int, temperature
     return [outs[str(i)] for i in range(len(prompts))]
 
 
-def prepare_data(args, log=print):
-    from models.distill import DistillData
+def prepare_data(args, source: str, name: str = "data.pt", log=print):
+    """The target's continuations of `source`'s prompts at each served temperature (`--samples`
+    each; one at temperature 0, where they would all be the same), cached in OUT/`name`."""
+    from engine.sampling_params import GREEDY_BELOW
+    from models.distill import DistillData, at_temperature
     from models.distill_prompts import read_prompts
     from models.loader import load_tokenizer
 
     out = Path(args.out)
-    cache = out / "data.pt"
+    cache = out / name
     if cache.exists():
         return DistillData.load(cache)
-    rows = read_prompts(args.prompts or args.from_buffer)
+    rows = read_prompts(source)
     tok = load_tokenizer(args.target)
     ids = [tok(r["prompt"])["input_ids"][-args.max_prompt_tokens:] for r in rows]
     keep = [i for i, x in enumerate(ids) if x]
-    prompts = [ids[i] for i in keep for _ in range(args.samples)]
-    classes = [rows[i]["class"] for i in keep for _ in range(args.samples)]
-    conts = generate(args.target, prompts, args.new_tokens, args.temperature, args.seed, args.threads,
-                     log, args.max_num_seqs)
-    data = DistillData.from_rows([(p, c, k) for p, c, k in zip(prompts, conts, classes) if c])
+    table = []
+    for t in args.temperature:
+        n = args.samples if t >= GREEDY_BELOW else 1
+        prompts = [ids[i] for i in keep for _ in range(n)]
+        classes = [rows[i]["class"] if len(args.temperature) == 1 else at_temperature(rows[i]["class"], t)
+                   for i in keep for _ in range(n)]
+        conts = generate(args.target, prompts, args.new_tokens, t, args.seed, args.threads,
+                         log, args.max_num_seqs)
+        table += [(p, c, k) for p, c, k in zip(prompts, conts, classes) if c]
+    data = DistillData.from_rows(table)
     out.mkdir(parents=True, exist_ok=True)
     data.save(cache)
     return data
@@ -105,12 +123,14 @@ def run(args) -> int:
         config = default_ds_config(args.batch_size, args.lr)
         if args.ds_config:
             config = json.loads(Path(args.ds_config).read_text())
-        data = prepare_data(args)
-        report = run_distill(args.target, args.draft, data, args.out, args.temperature,
+        data = prepare_data(args, args.prompts or args.from_buffer)
+        guard = prepare_data(args, args.guard_prompts, "guard.pt") if args.guard_prompts else None
+        temps = args.temperature[0] if len(args.temperature) == 1 else args.temperature
+        report = run_distill(args.target, args.draft, data, args.out, temps,
                              steps=args.steps, minutes=args.minutes, ds_config=config,
                              heldout=args.heldout, seed=args.seed, role=args.role,
                              top_k=args.top_k, validation=args.validation,
-                             eval_every_s=args.eval_every_s)
+                             eval_every_s=args.eval_every_s, guard_data=guard)
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"specserve draft distill: {exc}", file=sys.stderr)
         return 1
@@ -122,7 +142,7 @@ def run(args) -> int:
 def write_heldout_prompts(args, data) -> None:
     """OUT/heldout_prompts.jsonl: the held-out prompts as text, for `specserve draft bench`; the
     same split by class in OUT/heldout/CLASS.jsonl, for `specserve bench serve --prompts`."""
-    from models.distill import split_heldout
+    from models.distill import base_class, split_heldout
     from models.distill_prompts import write_prompts
     from models.loader import load_tokenizer
 
@@ -131,7 +151,7 @@ def write_heldout_prompts(args, data) -> None:
     _, held = split_heldout(data.classes, args.heldout, args.seed, groups)
     held = list({groups[i]: i for i in reversed(held)}.values())     # one row per prompt
     rows = [{"prompt": tok.decode(data.tokens[i, :int(data.prompt_lens[i])].tolist()),
-             "class": data.classes[i]} for i in held]
+             "class": base_class(data.classes[i])} for i in held]
     write_prompts(Path(args.out) / "heldout_prompts.jsonl", rows)
     by_class = Path(args.out) / "heldout"          # CLASS.jsonl files: `bench serve --prompts`
     by_class.mkdir(exist_ok=True)

@@ -30,14 +30,19 @@ def guard(folder: Path, max_drop: float = MAX_DROP) -> list[str]:
     report_file = folder / "distill.json"
     if not report_file.exists():
         return [f"{folder} has no distill.json: not a distilled draft with held-out figures"]
-    held = json.loads(report_file.read_text()).get("heldout", {})
-    before, after = held.get("before", {}), held.get("after", {})
-    problems = [f"class {c!r}: held-out acceptance {after[c]['acceptance']:.3f} < "
-                f"{before[c]['acceptance']:.3f} - {max_drop}"
-                for c in before if c in after
-                and after[c]["acceptance"] < before[c]["acceptance"] - max_drop]
-    missing = sorted(set(before) - set(after))
-    return problems + ([f"classes {missing} were not measured after"] if missing else [])
+    report = json.loads(report_file.read_text())
+    problems = []
+    for part, what in (("heldout", "held-out"), ("guard", "guard-set")):
+        if part == "guard" and not report.get("guard"):
+            continue                                # no guard prompts given at distillation
+        before, after = report.get(part, {}).get("before", {}), report.get(part, {}).get("after", {})
+        problems += [f"class {c!r}: {what} acceptance {after[c]['acceptance']:.3f} < "
+                     f"{before[c]['acceptance']:.3f} - {max_drop}"
+                     for c in before if c in after
+                     and after[c]["acceptance"] < before[c]["acceptance"] - max_drop]
+        missing = sorted(set(before) - set(after))
+        problems += [f"{what} classes {missing} were not measured after"] if missing else []
+    return problems
 
 
 def apply(app: str, path: str | None, rollback: bool) -> list[dict]:

@@ -137,29 +137,51 @@ def test_fused_takes_every_decode_and_verify_group_and_no_prefill():
         assert groups(True, seqs[4:5]) == [(3, True)]
 
 
+@pytest.fixture
+def threads(request):
+    """Kernels compiled and run at this many threads (inductor bakes the count into the C++ it
+    generates, and with more than one it may split a reduction between threads by shape);
+    the suite's one thread and its compiled kernels are restored after."""
+    n = request.param
+    torch._dynamo.reset()
+    torch.set_num_threads(n)
+    yield n
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+
+
+# (heads, kv heads, head size, block size, sequences, longest context): a toy shape, and the
+# reference families' (5 heads of 64, 16-token blocks) at a batch of 32 as the benchmark runs it
+SHAPES = {"toy": (HEADS, KV_HEADS, D, 4, 6, 60), "model": (5, 5, 64, 16, 32, 300)}
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("shape", ["toy", "model"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rows_do_not_depend_on_the_batch(dtype):
+def test_fused_rows_do_not_depend_on_the_batch(dtype, shape, threads):
     """Bit for bit: a query's output through the fused kernel is the same decoded alone, beside
     other sequences (whose longer contexts pad its keys), or as one of several query tokens
     of a verify. This is what makes greedy speculative output equal plain decoding in
     bfloat16; SDPA's rows move with the batch shape (checked here in float32, so that the test
-    says something about the kernel and not about the inputs)."""
+    says something about the kernel and not about the inputs). At 2 threads, as served and
+    benchmarked: the suite runs 1, where no reduction is ever split between threads."""
+    heads, kv_heads, d, bs, n_seqs, longest = SHAPES[shape]
     torch.manual_seed(0)
-    pool = BlockPool(4 << 20, (1, KV_HEADS, D), 4, dtype, "cpu")
+    pool = BlockPool(64 << 20, (1, kv_heads, d), bs, dtype, "cpu")
     layers = pool.layers(pool.target)
     kc, vc = layers[0]
     rng = random.Random(3)
-    contexts = [rng.randrange(3, 60) for _ in range(6)]
-    tables = [pool.allocate(-(-(c + 1) // 4), "target") for c in contexts]
+    contexts = [rng.randrange(5, longest) for _ in range(n_seqs)]
+    tables = [pool.allocate(-(-(c + 1) // bs), "target") for c in contexts]
     kc.normal_(), vc.normal_()
     nq = 5
-    q = torch.randn(len(contexts) * nq, HEADS, D, dtype=dtype)
+    q = torch.randn(len(contexts) * nq, heads, d, dtype=dtype)
 
     def attend(seqs, queries, fused):
-        attn = PagedAttention(layers, seqs, D ** -0.5, {}, fused=fused)
+        attn = PagedAttention(layers, seqs, d ** -0.5, {}, fused=fused)
         # the new tokens' keys and values are the ones already there: the pool stays as it is
         k, v = kc[attn.slots].clone(), vc[attn.slots].clone()
-        return attn(0, queries, k, v).view(-1, HEADS, D)
+        return attn(0, queries, k, v).view(-1, heads, d)
 
     for fused in (True, False):
         # A verify group: every sequence brings its last nq positions as queries.

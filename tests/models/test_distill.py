@@ -120,6 +120,12 @@ def test_swap_guard_refuses_a_class_that_got_worse(tmp_path):
 
     assert report(0.65) == []                      # code -0.01 is within 0.02
     assert "chat" in report(0.47)[0]               # chat -0.03 is refused
+    # other traffic scored as a guard set: a drop there is refused as well
+    report(0.65)
+    saved = json.loads((tmp_path / "distill.json").read_text())
+    saved["guard"] = {"before": {"code": {"acceptance": 0.80}}, "after": {"code": {"acceptance": 0.77}}}
+    (tmp_path / "distill.json").write_text(json.dumps(saved))
+    assert guard(tmp_path) == ["class 'code': guard-set acceptance 0.770 < 0.800 - 0.02"]
     (tmp_path / "distill.json").unlink()
     assert "distill.json" in guard(tmp_path)[0]
 
@@ -143,6 +149,14 @@ def test_held_out_prompts_never_trained_on():
     per_class = {c: len({groups[i] for i in held if data.classes[i] == c}) for c in "abc"}
     assert all(n == round(29 * 0.25) for n in per_class.values())
     assert torch.equal(data.subset(held).tokens[0, :3], data.tokens[held[0], :3])
+    # the same prompts continued at two temperatures (labels `class@T..`): one side at both
+    from models.distill import at_temperature
+
+    labels = [at_temperature(c, t) for t in (0, 1) for c in data.classes]
+    twice = groups + groups
+    train, held = split_heldout(labels, 0.25, 0, twice)
+    assert not {twice[i] for i in train} & {twice[i] for i in held}
+    assert {labels[i] for i in held} == {at_temperature(c, t) for c in "abc" for t in (0, 1)}
 
 
 def test_greedy_acceptance_is_argmax_agreement(tiny_family):
@@ -185,3 +199,31 @@ def test_a_run_that_only_gets_worse_keeps_the_given_draft(tiny_family, prompts, 
     for (name, a), b in zip(given.state_dict().items(), kept.state_dict().values()):
         assert torch.equal(a.float(), b.float()), name
     assert report["heldout"]["after"] == report["heldout"]["before"]
+
+
+def test_several_temperatures_and_a_guard_set(tiny_family, prompts, tmp_path):
+    """Served at 0 and 1: continuations at each, each scored at its own (greedy rows as argmax
+    agreement), one prompt on one side of the split at both; a guard set scored before and
+    after, never trained on."""
+    guard = tmp_path / "guard.jsonl"
+    write_prompts(guard, builtin_prompts(4, seed=9))
+    out = tmp_path / "multi"
+    assert _distill(tiny_family, prompts, out, "--steps", "4", "--top-k", "0", "--temperature", "0,1",
+                    "--samples", "2", "--guard-prompts", str(guard)) == 0
+    report = json.loads((out / "distill.json").read_text())
+    assert report["temperature"] == [0.0, 1.0] and report["loss_temperature"] == 1.0
+    before = report["heldout"]["before"]
+    assert {"chat@T0", "chat@T1", "code@T0", "prose@T1", "all@T0", "all@T1", "all"} <= set(before)
+    for cls in ("chat", "code", "prose", "all"):
+        assert before[f"{cls}@T0"]["acceptance"] == before[f"{cls}@T0"]["greedy"]
+        assert before[f"{cls}@T1"]["acceptance"] != before[f"{cls}@T1"]["greedy"]
+        # two sampled continuations a held-out prompt at T = 1 (each may end early at EOS),
+        # one greedy: the same prompts at both
+        assert before[f"{cls}@T0"]["tokens"] < before[f"{cls}@T1"]["tokens"] <= 2 * before[f"{cls}@T0"]["tokens"]
+    n0, n1 = before["all@T0"]["tokens"], before["all@T1"]["tokens"]
+    assert before["all"]["acceptance"] == pytest.approx(
+        (before["all@T0"]["acceptance"] * n0 + before["all@T1"]["acceptance"] * n1) / (n0 + n1), abs=1e-4)
+    assert set(report["guard"]["before"]) == set(before)
+    assert 3 * 4 * 24 < report["guard"]["before"]["all"]["tokens"] <= 3 * 4 * 3 * 24   # 3 classes x 4 x (1 + 2)
+    held = read_prompts(out / "heldout_prompts.jsonl")
+    assert {r["class"] for r in held} == {"chat", "code", "prose"}
