@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
     p.add_argument("--temperature", type=_temperatures, default=[1.0],
                    help="the sampling temperature served, or several comma-separated (0: greedy; "
                         "acceptance is then argmax agreement); continuations at each")
+    p.add_argument("--replay", type=int, default=0, metavar="N",
+                   help="add N prompts (class 'replay') cut from this Python's standard library: "
+                        "the draft keeps its agreement on general code while distilled on the rest")
     p.add_argument("--guard-prompts", help="JSONL prompts of other traffic the draft serves: never "
                    "trained on, scored before and after; `draft swap` refuses a drop there too")
     p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt")
@@ -93,6 +96,10 @@ def prepare_data(args, source: str, name: str = "data.pt", log=print):
     if cache.exists():
         return DistillData.load(cache)
     rows = read_prompts(source)
+    if name == "data.pt" and args.replay:
+        from models.distill_prompts import replay_prompts
+
+        rows += replay_prompts(args.replay, args.seed)
     tok = load_tokenizer(args.target)
     ids = [tok(r["prompt"])["input_ids"][-args.max_prompt_tokens:] for r in rows]
     keep = [i for i, x in enumerate(ids) if x]

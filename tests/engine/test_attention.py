@@ -150,13 +150,18 @@ def threads(request):
     torch._dynamo.reset()
 
 
-# (heads, kv heads, head size, block size, sequences, longest context): a toy shape, and the
-# reference families' (5 heads of 64, 16-token blocks) at a batch of 32 as the benchmark runs it
-SHAPES = {"toy": (HEADS, KV_HEADS, D, 4, 6, 60), "model": (5, 5, 64, 16, 32, 300)}
+# (heads, kv heads, head size, target layers, draft (layers, kv heads, head size), block size,
+# sequences, longest context): a toy shape; reference-py's target (5 heads of 64, 12 layers,
+# 16-token blocks) and reference-py-deep's (16 layers beside a 1-layer draft: 48 tokens a block)
+# at a batch of 32 as the benchmark runs them; and that deep draft's own layer (16 chunks of 80)
+SHAPES = {"toy": (HEADS, KV_HEADS, D, 1, None, 4, 6, 60),
+          "reference": (5, 5, 64, 12, (2, 4, 64), 16, 32, 300),
+          "deep": (5, 5, 64, 16, (1, 3, 64), 16, 32, 300),
+          "deep-draft": (3, 3, 64, 1, None, 1280, 12, 300)}
 
 
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("shape", ["toy", "model"])
+@pytest.mark.parametrize("shape,threads", [("toy", 1), ("toy", 2), ("reference", 2), ("deep", 2),
+                                           ("deep-draft", 2)], indirect=["threads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rows_do_not_depend_on_the_batch(dtype, shape, threads):
     """Bit for bit: a query's output through the fused kernel is the same decoded alone, beside
@@ -165,14 +170,15 @@ def test_fused_rows_do_not_depend_on_the_batch(dtype, shape, threads):
     bfloat16; SDPA's rows move with the batch shape (checked here in float32, so that the test
     says something about the kernel and not about the inputs). At 2 threads, as served and
     benchmarked: the suite runs 1, where no reduction is ever split between threads."""
-    heads, kv_heads, d, bs, n_seqs, longest = SHAPES[shape]
+    heads, kv_heads, d, n_layers, draft, bs, n_seqs, longest = SHAPES[shape]
     torch.manual_seed(0)
-    pool = BlockPool(64 << 20, (1, kv_heads, d), bs, dtype, "cpu")
+    pool = BlockPool(256 << 20, (n_layers, kv_heads, d), bs, dtype, "cpu", draft)
     layers = pool.layers(pool.target)
     kc, vc = layers[0]
+    tpb = pool.target.tokens_per_block
     rng = random.Random(3)
     contexts = [rng.randrange(5, longest) for _ in range(n_seqs)]
-    tables = [pool.allocate(-(-(c + 1) // bs), "target") for c in contexts]
+    tables = [pool.allocate(-(-(c + 1) // tpb), "target") for c in contexts]
     kc.normal_(), vc.normal_()
     nq = 5
     q = torch.randn(len(contexts) * nq, heads, d, dtype=dtype)

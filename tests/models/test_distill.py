@@ -209,7 +209,7 @@ def test_several_temperatures_and_a_guard_set(tiny_family, prompts, tmp_path):
     write_prompts(guard, builtin_prompts(4, seed=9))
     out = tmp_path / "multi"
     assert _distill(tiny_family, prompts, out, "--steps", "4", "--top-k", "0", "--temperature", "0,1",
-                    "--samples", "2", "--guard-prompts", str(guard)) == 0
+                    "--samples", "2", "--guard-prompts", str(guard), "--replay", "4") == 0
     report = json.loads((out / "distill.json").read_text())
     assert report["temperature"] == [0.0, 1.0] and report["loss_temperature"] == 1.0
     before = report["heldout"]["before"]
@@ -223,7 +223,24 @@ def test_several_temperatures_and_a_guard_set(tiny_family, prompts, tmp_path):
     n0, n1 = before["all@T0"]["tokens"], before["all@T1"]["tokens"]
     assert before["all"]["acceptance"] == pytest.approx(
         (before["all@T0"]["acceptance"] * n0 + before["all@T1"]["acceptance"] * n1) / (n0 + n1), abs=1e-4)
-    assert set(report["guard"]["before"]) == set(before)
+    assert {"replay@T0", "replay@T1"} <= set(before)           # --replay: trained on, scored too
+    assert set(report["guard"]["before"]) == set(before) - {"replay@T0", "replay@T1"}
     assert 3 * 4 * 24 < report["guard"]["before"]["all"]["tokens"] <= 3 * 4 * 3 * 24   # 3 classes x 4 x (1 + 2)
     held = read_prompts(out / "heldout_prompts.jsonl")
-    assert {r["class"] for r in held} == {"chat", "code", "prose"}
+    assert {r["class"] for r in held} == {"chat", "code", "prose", "replay"}
+
+
+def test_replay_prompts_are_lines_of_this_pythons_standard_library():
+    """--replay: the draft's own kind of text beside the distilled traffic, the same for a seed."""
+    from models.demo_data import source_roots
+    from models.distill_prompts import replay_prompts
+
+    rows = replay_prompts(6, seed=2)
+    assert rows == replay_prompts(6, seed=2) != replay_prompts(6, seed=3)
+    assert len({r["prompt"] for r in rows}) == 6 and {r["class"] for r in rows} == {"replay"}
+    stdlib = source_roots(False)[0]
+    for r in rows:
+        assert 0 < len(r["prompt"]) <= 400
+        first = r["prompt"].splitlines(keepends=True)[0]
+        assert any(first in f.read_text(encoding="utf-8", errors="replace")
+                   for f in stdlib.rglob("*.py") if f.name.endswith(".py")), first
