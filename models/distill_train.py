@@ -135,7 +135,6 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
             break
         if time.monotonic() - last_eval >= eval_every_s:
             best.offer(engine.global_steps, engine.module)
-            bar.set_postfix(step=engine.global_steps, best=f"{best.score:.3f}@{best.step}", refresh=False)
             last_eval = time.monotonic()
         inputs, labels, mask, v, i = _batch(train_data, values, ids, size, seed_r, engine.global_steps)
         if values is None:
@@ -149,7 +148,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
         if engine.global_steps == before_step and not engine.skipped_steps:
             raise RuntimeError("DeepSpeed's engine did not advance its step count")
         recent = (recent + [kl])[-20:]
-        bar.set_postfix(step=engine.global_steps, kl=f"{sum(recent) / len(recent):.3f}", refresh=False)
+        bar.set_postfix(step=engine.global_steps, kl=f"{sum(recent) / len(recent):.3f}",
+                        best=f"{best.score:.3f}@{best.step}", refresh=False)
         bar.update(1) if steps else bar.update(round(time.monotonic() - start) - bar.n)
         if time.monotonic() - last_ckpt >= checkpoint_every_s:
             engine.save_checkpoint(str(ckpt), tag=f"step{engine.global_steps}",

@@ -156,7 +156,7 @@ def write_heldout_prompts(args, data) -> None:
     tok = load_tokenizer(args.target)
     groups = data.prompt_groups()
     _, held = split_heldout(data.classes, args.heldout, args.seed, groups)
-    held = list({groups[i]: i for i in reversed(held)}.values())     # one row per prompt
+    held = sorted({groups[i]: i for i in reversed(held)}.values())   # one row per prompt, the first
     rows = [{"prompt": tok.decode(data.tokens[i, :int(data.prompt_lens[i])].tolist()),
              "class": base_class(data.classes[i])} for i in held]
     write_prompts(Path(args.out) / "heldout_prompts.jsonl", rows)
