@@ -160,7 +160,7 @@ def served_acceptance(target, student, data: DistillData, temperatures: list[flo
         return acceptance_by_class(target, student, data, temperatures[0])
     out: dict[str, dict] = {}
     for t in temperatures:
-        rows = [i for i, c in enumerate(data.classes) if c.endswith(at_temperature("", t))]
+        rows = [i for i, c in enumerate(data.classes) if c.partition("@T")[2] == f"{t:g}"]
         if rows:
             part = acceptance_by_class(target, student, data.subset(rows), t)
             part[at_temperature("all", t)] = part.pop("all")

@@ -86,11 +86,9 @@ def replay_prompts(count: int, seed: int = 0, max_chars: int = 400) -> list[dict
     trained on beside the traffic being distilled, they keep the draft's agreement on the rest
     of the traffic (without them a draft distilled on templated prompts lost 0.02-0.03 of
     acceptance on other code, notes/issue12.md). Deterministic for a seed and a Python."""
-    from models.demo_data import SKIP_DIRS, source_roots
+    from models.demo_data import _python_files, source_roots
 
-    root = source_roots(False)[0]
-    files = [f for f in sorted(root.rglob("*.py"))
-             if not SKIP_DIRS.intersection(f.relative_to(root).parts[:-1]) and f.is_file()]
+    files = [path for _, path in _python_files(source_roots(False)[0], 200_000)]
     rng, out, seen = random.Random(f"{seed}-replay"), [], set()
     for _ in range(count * 20):
         if len(out) == count or not files:

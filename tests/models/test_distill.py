@@ -175,6 +175,13 @@ def test_greedy_acceptance_is_argmax_agreement(tiny_family):
     assert greedy["acceptance"] == greedy["greedy"] == sampled["greedy"]
     assert greedy["acceptance"] != sampled["acceptance"]
     assert acceptance_by_class(target, target, data, 0.0)["x"]["acceptance"] == 1.0
+    # several served temperatures: each row scored at its own, T0 rows apart from T10 rows
+    from models.distill import served_acceptance
+
+    two = DistillData.from_rows([(p, c, f"x@T{t}") for t in (0, 10) for p, c, _ in rows])
+    both = served_acceptance(target, draft, two, [0.0, 10.0])
+    assert both["x@T0"] == both["all@T0"] == {**greedy, "kl": both["x@T0"]["kl"]}
+    assert both["x@T10"]["tokens"] == both["x@T0"]["tokens"] == greedy["tokens"]
 
 
 def test_a_run_that_only_gets_worse_keeps_the_given_draft(tiny_family, prompts, tmp_path):
