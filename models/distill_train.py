@@ -198,13 +198,15 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
 
 class _Best:
     """The best student so far by validation acceptance at the served temperature (all classes,
-    token-weighted), kept on disk so a resumed run still knows it."""
+    token-weighted): its weights in `path` (rewritten only when beaten), its step, score and
+    every score so far beside it (`path` with .json), so a resumed run still knows them."""
 
     def __init__(self, path: Path, target, val: DistillData, temperatures: list[float]):
         self.path, self.target, self.val, self.temperatures = path, target, val, temperatures
+        self.record = path.with_suffix(".json")
         self.step, self.score, self.history = None, float("-inf"), []
-        if path.exists():
-            saved = torch.load(path)
+        if self.record.exists():
+            saved = json.loads(self.record.read_text())
             self.step, self.score, self.history = saved["step"], saved["score"], saved["history"]
 
     def offer(self, step: int, module) -> None:
@@ -215,19 +217,14 @@ class _Best:
         score = served_acceptance(self.target, module, self.val, self.temperatures)["all"]["acceptance"]
         module.train()
         self.history.append([step, score])
-        if score > self.score or self.step == step:
+        if score > self.score:
             self.step, self.score = step, score
-            torch.save({"step": step, "score": score, "history": self.history,
-                        "state": {k: v.detach().float().clone() for k, v in module.state_dict().items()}},
-                       self.path)
-        else:
-            saved = torch.load(self.path)
-            saved["history"] = self.history
-            torch.save(saved, self.path)
+            torch.save({k: v.detach().float().clone() for k, v in module.state_dict().items()}, self.path)
+        self.record.write_text(json.dumps({"step": self.step, "score": self.score, "history": self.history}))
 
     def state(self) -> dict | None:
         """The kept weights (fp32), or None without a validation set (the last weights stand)."""
-        return torch.load(self.path)["state"] if self.val.classes and self.path.exists() else None
+        return torch.load(self.path) if self.val.classes and self.path.exists() else None
 
 
 def _delta(before: dict, after: dict) -> dict:

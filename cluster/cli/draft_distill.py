@@ -7,6 +7,7 @@ training is `models/distill_train.py`. `specserve draft prompts` writes the buil
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -28,17 +29,17 @@ def add_arguments(p) -> None:
     p.add_argument("--temperature", type=_temperatures, default=[1.0],
                    help="the sampling temperature served, or several comma-separated (0: greedy; "
                         "acceptance is then argmax agreement); continuations at each")
-    p.add_argument("--replay", type=int, default=0, metavar="N",
+    p.add_argument("--replay", type=_count, default=0, metavar="N",
                    help="add N prompts (class 'replay') cut from this Python's standard library: "
                         "the draft keeps its agreement on general code while distilled on the rest")
     p.add_argument("--guard-prompts", help="JSONL prompts of other traffic the draft serves: never "
                    "trained on, scored before and after; `draft swap` refuses a drop there too")
     p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt")
     p.add_argument("--samples", type=int, default=1, help="target continuations per prompt")
-    p.add_argument("--heldout", type=float, default=0.15, help="fraction of prompts held out per class")
-    p.add_argument("--validation", type=float, default=0.05,
+    p.add_argument("--heldout", type=_fraction, default=0.15, help="fraction of prompts held out per class")
+    p.add_argument("--validation", type=_fraction, default=0.05,
                    help="fraction of the training prompts that pick the best weights (early stopping)")
-    p.add_argument("--eval-every-s", type=float, default=60.0, help="seconds between validation scores")
+    p.add_argument("--eval-every-s", type=_positive, default=60.0, help="seconds between validation scores")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-prompt-tokens", type=int, default=96)
@@ -49,10 +50,39 @@ def add_arguments(p) -> None:
 
 
 def _temperatures(text: str) -> list[float]:
-    temps = [float(t) for t in text.split(",") if t.strip()]
-    if not temps or any(t < 0 for t in temps) or len(set(temps)) < len(temps):
-        raise ValueError(f"--temperature: distinct numbers >= 0, got {text!r}")
+    try:
+        temps = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        temps = []
+    if not temps or any(not 0 <= t <= 100 for t in temps) or len(set(temps)) < len(temps):
+        raise argparse.ArgumentTypeError(f"distinct numbers in [0, 100], comma-separated; got {text!r}")
     return temps
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"a fraction in [0, 1), got {text!r}")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a number above 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"a whole number >= 0, got {text!r}")
+    return int(text)
 
 
 def generate(target: str, prompts: list[list[int]], new_tokens: int, temperature: float,

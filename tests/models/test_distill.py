@@ -251,3 +251,17 @@ def test_replay_prompts_are_lines_of_this_pythons_standard_library():
         first = r["prompt"].splitlines(keepends=True)[0]
         assert any(first in f.read_text(encoding="utf-8", errors="replace")
                    for f in stdlib.rglob("*.py") if f.name.endswith(".py")), first
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--temperature", "0,0"),
+                                        ("--temperature", "warm"), ("--validation", "1.5"),
+                                        ("--heldout", "-0.1"), ("--eval-every-s", "0"),
+                                        ("--replay", "-3")])
+def test_bad_options_are_refused_before_anything_runs(tiny_family, prompts, tmp_path, flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["draft", "distill", "--target", str(tiny_family["target"]), "--draft",
+              str(tiny_family["draft"]), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+              "--steps", "1", flag, value])
+    assert exit_.value.code == 2
+    assert flag in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
