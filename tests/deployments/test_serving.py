@@ -73,7 +73,11 @@ def test_completions_on_every_endpoint(app, plan):
     assert events[-1] == "[DONE]"
     text = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert text == body["choices"][0]["text"]          # greedy: streamed == not streamed
-    assert events[-2]["usage"]["tier"] == usage["tier"]
+    # auto decides each request from live stats, and the first one just taught the router the
+    # tiny draft's acceptance: its second request may go elsewhere; a fixed plan may not
+    if plan in EXPECTED_TIER:
+        assert events[-2]["usage"]["tier"] == usage["tier"]
+    assert events[-2]["usage"]["tier"] == stream.headers["x-specserve-tier"]
 
 
 @pytest.mark.parametrize("chat", [False, True])
