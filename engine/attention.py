@@ -49,9 +49,31 @@ class SeqSlice:
     block_table: list[int]   # blocks holding this sequence's KV, in order
     num_cached: int          # tokens whose KV is already in the cache (positions 0..num_cached-1)
     num_query: int           # new tokens in this forward (positions num_cached..)
+    prefill_align: int = 0   # > 0: a prompt chunk, attended in pieces cut at multiples of this
+                             # (`_Prefill`); 0: decode, verify or a draft's catch-up
 
 
-class _Group:
+class _Gathers:
+    """Copies the blocks of `self.blocks` ([batch, blocks]) out of the pool, `self.lk` keys."""
+
+    def _gather(self, cache: torch.Tensor, workspace: dict | None, name: str,
+                compute: torch.dtype) -> torch.Tensor:
+        """cache [num_blocks, chunks, tokens_per_chunk, kv_heads, d] -> [b, kv_heads, lk, d] in
+        `compute`: whole blocks copied into a reused buffer (a fresh one per layer costs page
+        faults: 2.7 against 1.45 ms a gather at batch 32); in another dtype, then converted,
+        whole blocks in their layout, into a second reused buffer (converting into the
+        transposed layout SDPA reads contiguously cost ~1.4x the time, and SDPA runs as fast on
+        the strided view)."""
+        n = self.blocks.numel()
+        shape = (n, *cache.shape[1:])
+        g = torch.index_select(cache, 0, self.blocks.flatten(),
+                               out=_buffer(workspace, name, shape, cache.dtype, cache.device))
+        if compute != cache.dtype:          # whole blocks, in their layout: one streaming pass
+            g = _buffer(workspace, name + "_up", shape, compute, cache.device).copy_(g)
+        return g.view(self.batch, -1, *cache.shape[-2:])[:, :self.lk].transpose(1, 2)
+
+
+class _Group(_Gathers):
     """Sequences with similar query lengths, attended in one call per layer."""
 
     def __init__(self, members: list[int], seqs: list[SeqSlice], starts: list[int], tpb: int,
@@ -103,21 +125,6 @@ class _Group:
             self.valid = valid.flatten().nonzero().squeeze(1)
             self.rows = self.q_index[self.valid]
 
-    def _gather(self, cache: torch.Tensor, workspace: dict | None, name: str,
-                compute: torch.dtype) -> torch.Tensor:
-        """cache [num_blocks, chunks, tokens_per_chunk, kv_heads, d] -> [b, kv_heads, lk, d] in
-        `compute`: whole blocks copied into a reused buffer (a fresh one per layer costs page
-        faults: 2.7 against 1.45 ms a gather at batch 32); in another dtype, then converted,
-        whole blocks in their layout, into a second reused buffer (converting into the transposed layout SDPA reads
-        contiguously cost ~1.4x the time, and SDPA runs as fast on the strided view)."""
-        n = self.blocks.numel()
-        shape = (n, *cache.shape[1:])
-        g = torch.index_select(cache, 0, self.blocks.flatten(),
-                               out=_buffer(workspace, name, shape, cache.dtype, cache.device))
-        if compute != cache.dtype:          # whole blocks, in their layout: one streaming pass
-            g = _buffer(workspace, name + "_up", shape, compute, cache.device).copy_(g)
-        return g.view(self.batch, -1, *cache.shape[-2:])[:, :self.lk].transpose(1, 2)
-
     def run(self, q, k, v, k_cache, v_cache, out, scale, workspace, compute) -> None:
         if self.single:
             if self.fresh:
@@ -152,6 +159,52 @@ class _Group:
         query = q.index_select(0, self.q_index).view(self.batch, self.qmax, kv_heads, -1, d)
         o = paged_attention(query, k_cache, v_cache, self.blocks, self.mask, scale)
         return None if o is None else o.view(-1, *q.shape[1:])
+
+
+class _Prefill(_Gathers):
+    """One sequence's prompt chunk, attended piece by piece: the pieces are cut at multiples of
+    `prefill_align` from position 0, whatever the chunk, and each is one SDPA call over the
+    keys up to its own end (the first, at position 0, causal over its own keys; later ones with
+    a mask). The scheduler cuts prompts only at those multiples (`engine/scheduler.py`), so a
+    piece is the same call on the same inputs however the prompt was chunked and whatever ran
+    beside it: a prompt's KV is the same bits under any load (tests/engine/
+    test_prefill_cuts.py). SDPA's rows move with its number of queries and keys, so a chunk
+    attended in one call would not be: a prompt cut after 40 tokens in one run and kept whole
+    in another had other KV bits from its second layer on, and a near-tie 35 tokens later gave
+    another greedy token (reference-py-deep, batch 32; notes/issue10.md)."""
+
+    def __init__(self, s: SeqSlice, start: int, tpb: int, device):
+        first, end, align = s.num_cached, s.num_cached + s.num_query, s.prefill_align
+        self.fresh = first == 0          # keys and values all new: read from k, v, not the pool
+        self.keys = slice(start - first, start - first + end)    # rows of positions 0..end
+        self.pieces = []                 # (query rows, keys, mask)
+        pos = first
+        while pos < end:
+            stop = min((pos // align + 1) * align, end)
+            mask = None
+            if pos > 0:
+                mask = (torch.arange(stop, device=device)[None, :]
+                        <= torch.arange(pos, stop, device=device)[:, None])
+            self.pieces.append((slice(start + pos - first, start + stop - first), stop, mask))
+            pos = stop
+        if not self.fresh:
+            self.batch, self.lk = 1, end
+            self.blocks = torch.tensor([s.block_table[:-(-end // tpb)]], dtype=torch.long,
+                                       device=device)
+
+    def run(self, q, k, v, k_cache, v_cache, out, scale, workspace, compute) -> None:
+        if self.fresh:
+            keys = k[self.keys].transpose(0, 1)[None].to(compute)
+            values = v[self.keys].transpose(0, 1)[None].to(compute)
+        else:
+            keys = self._gather(k_cache, workspace, "k", compute)
+            values = self._gather(v_cache, workspace, "v", compute)
+        for rows, stop, mask in self.pieces:
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None].to(compute),
+                                               keys[:, :, :stop], values[:, :, :stop],
+                                               attn_mask=mask, is_causal=mask is None,
+                                               scale=scale, enable_gqa=True)
+            out[rows] = o[0].transpose(0, 1)
 
 
 def _buffer(workspace: dict | None, name: str, shape, dtype, device) -> torch.Tensor:
@@ -189,7 +242,7 @@ class PagedAttention:
         k_cache = layers[0][0]
         per_chunk, device = k_cache.shape[2], k_cache.device
         tpb = k_cache.shape[1] * per_chunk
-        starts, blocks, offsets, groups = [], [], [], ([], [], [])
+        starts, blocks, offsets, groups, prefills = [], [], [], ([], [], []), []
         start = 0
         for i, s in enumerate(seqs):
             if s.num_query < 1:
@@ -199,7 +252,10 @@ class PagedAttention:
             for pos in range(s.num_cached, s.num_cached + s.num_query):
                 blocks.append(t[pos // tpb])
                 offsets.append(pos % tpb)
-            groups[_group_of(s.num_query)].append(i)
+            if s.prefill_align > 0:
+                prefills.append(_Prefill(s, start, tpb, device))
+            else:
+                groups[_group_of(s.num_query)].append(i)
             start += s.num_query
         self.num_tokens = start
         # Why every decode and verify row goes through the one kernel when it is on: its output
@@ -210,7 +266,7 @@ class PagedAttention:
         # torch's CPU matmuls) move with the batch shape (1e-7 in float32; in bfloat16 that
         # flips a rounding, and a trained model's near-tie: the reference-py family lost
         # greedy identity at batch 4-32 with SDPA).
-        self.groups = []
+        self.groups = prefills
         for g in filter(None, groups):
             if _group_of(seqs[g[0]].num_query) == 2 and len(g) > 1:
                 # Prefill chunks: sequences starting fresh attend alone to their own new keys.

@@ -32,6 +32,7 @@ class ScheduledSeq:
     seq: Sequence
     num_feed: int     # tokens of seq.token_ids fed to the target this step, from num_computed
     k: int            # draft tokens proposed this step (0: plain decoding or a prefill chunk)
+    prefill_align: int = 0   # a prompt chunk: its attention pieces (engine/attention.py)
 
     @property
     def samples(self) -> bool:
@@ -52,6 +53,10 @@ class SchedulerLimits:
     # through HTTP (reference-py, 16 streams) TTFT p50 224 -> 148 ms but 478 -> 410 tok/s, so
     # it is off by default (EngineConfig.prefill_first).
     prefill_first: bool = False
+    # Prompts are cut into chunks only at multiples of this many tokens (or at their end), and
+    # attention runs a chunk in pieces cut at the same multiples (`engine/attention.py`), so a
+    # prompt's KV is the same bits however the token budget cut it, that is under any load.
+    prefill_align: int = 16
 
 
 class Scheduler:
@@ -177,8 +182,9 @@ class Scheduler:
             ks = {id(s): k for s, k in zip(decode, chosen)}
         for s in self.running:
             if s.in_prefill:
-                n = min(len(s.token_ids) - s.num_computed, max(budget, 1))
-                items[id(s)] = ScheduledSeq(s, n, 0)
+                # At least one piece: a prompt under way always advances.
+                n = self._chunk(s, budget, at_least_one=True)
+                items[id(s)] = ScheduledSeq(s, n, 0, limits.prefill_align)
                 budget -= n
             else:
                 k = ks.get(id(s), 0)
@@ -207,8 +213,10 @@ class Scheduler:
             if not self.fits_ever(len(seq.token_ids)):   # preempted after growing past the pool
                 self._truncate(seq)
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
-            item = ScheduledSeq(seq, n, 0)
+            n = self._chunk(seq, budget)
+            if n == 0:                   # not one piece of the prompt fits this step's budget
+                break
+            item = ScheduledSeq(seq, n, 0, limits.prefill_align)
             need = self._need(item)[0]
             growth_reserve = len(self.running)       # one block each for running sequences
             if need > self.pool.num_free - growth_reserve:
@@ -225,6 +233,19 @@ class Scheduler:
             budget -= n
         return list(items.values())
 
+    def _chunk(self, seq: Sequence, budget: int, at_least_one: bool = False) -> int:
+        """Prompt tokens of seq to feed within `budget`: up to the end of its prompt, else up to
+        the last multiple of `prefill_align` the budget reaches (0 when it reaches none; with
+        at_least_one, up to the next multiple)."""
+        left = seq.prefill_end - seq.num_computed
+        if left <= budget:
+            return left
+        align = self.limits.prefill_align
+        stop = (seq.num_computed + max(budget, 0)) // align * align
+        if at_least_one:
+            stop = max(stop, (seq.num_computed // align + 1) * align)
+        return max(0, min(stop - seq.num_computed, left))
+
     def _carries_prompt(self, budget: int) -> bool:
         """Whether this step will carry prompt tokens: a prompt's next chunk, or the first
         waiting sequence fitting now (as step 3 of `schedule` sees it before any decode blocks
@@ -235,8 +256,8 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.limits.max_num_seqs:
             return False
         seq = self.waiting[0]
-        item = ScheduledSeq(seq, min(len(seq.token_ids) - seq.num_computed, budget), 0)
-        return self._need(item)[0] <= self.pool.num_free - 2 * len(self.running)
+        n = self._chunk(seq, budget)
+        return n > 0 and self._need(ScheduledSeq(seq, n, 0))[0] <= self.pool.num_free - 2 * len(self.running)
 
     def _allocate(self, item: ScheduledSeq) -> None:
         target, draft = self._need(item)

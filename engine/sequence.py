@@ -39,6 +39,7 @@ class Sequence:
         self.token_ids: list[int] = list(self.prompt_ids)
         self.num_prompt = len(self.prompt_ids)
         self.num_computed = 0                 # target KV holds token_ids[:num_computed]
+        self.prefill_end = self.num_prompt    # tokens fed as prompt chunks (recompute: all)
         self.draft_computed = 0               # draft KV holds token_ids[:draft_computed]
         self.blocks: list[int] = []           # target KV blocks
         self.draft_blocks: list[int] = []     # draft KV blocks (speculative mode only)
@@ -67,8 +68,10 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        """More than the pending token is still to be fed to the target."""
-        return self.num_computed < len(self.token_ids) - 1
+        """Prompt tokens (or, after a preemption, all tokens so far) are still to be fed to the
+        target, in chunks; a chunk may be the last token alone, which then is still a prompt
+        chunk, never a decode: its KV must not depend on where the scheduler cut."""
+        return self.num_computed < self.prefill_end
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -93,6 +96,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """After preemption: KV is gone; the tokens so far are prefilled again later."""
         self.num_computed = 0
+        self.prefill_end = len(self.token_ids)
         self.draft_computed = 0
         self.status = Status.WAITING
         self.num_preemptions += 1

@@ -104,7 +104,7 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
     for it in items:
         s = it.seq
         feed = s.token_ids[s.num_computed:s.num_computed + it.num_feed] + drafted.get(id(it), [])
-        seqs.append(SeqSlice(s.blocks, s.num_computed, len(feed)))
+        seqs.append(SeqSlice(s.blocks, s.num_computed, len(feed), it.prefill_align))
         ids += feed
         pos += range(s.num_computed, s.num_computed + len(feed))
         if it.samples:

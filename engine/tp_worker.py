@@ -130,7 +130,8 @@ class LocalPeers:
         self.wait()
 
     def launch(self, input_ids, positions, seqs) -> None:
-        msg = (input_ids, positions, [(s.block_table, s.num_cached, s.num_query) for s in seqs])
+        msg = (input_ids, positions, [(s.block_table, s.num_cached, s.num_query, s.prefill_align)
+                                        for s in seqs])
         for c in self.conns:
             c.send(("run", msg))
 

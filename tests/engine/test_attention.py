@@ -208,3 +208,49 @@ def test_fused_rows_do_not_depend_on_the_batch(dtype, shape, threads):
         if not fused and dtype == torch.float32:
             assert differ > 0          # SDPA: rows move with the batch (1e-7; in bf16 the
             #                            rounding hides most such moves at this size)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d,n", [(5, 5, 64, 700), (8, 2, 64, 300)])
+def test_prompt_pieces_do_not_depend_on_the_chunks(dtype, heads, kv_heads, d, n, threads):
+    """Bit for bit: a prompt fed in one chunk, or cut at multiples of `prefill_align` into
+    chunks attended beside other sequences' decode rows, gets the same attention output (the
+    scheduler cuts only there: tests/engine/test_prefill_cuts.py). The same cuts with each
+    chunk one SDPA call (the pieces as long as the chunk) do move rows: that is why a chunk
+    runs in pieces."""
+    align = 16
+    pool = BlockPool(256 << 20, (1, kv_heads, d), align, dtype, "cpu", None)
+    layers = pool.layers(pool.target)
+    kc, vc = layers[0]
+    table = pool.allocate(-(-n // align), "target")
+    others = [pool.allocate(4, "target") for _ in range(3)]
+    gen = torch.Generator().manual_seed(0)
+    kc.normal_(generator=gen), vc.normal_(generator=gen)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q, k, v = randn(n, heads, d), randn(n, kv_heads, d), randn(n, kv_heads, d)
+    oq, ok, ov = randn(3, heads, d), randn(3, kv_heads, d), randn(3, kv_heads, d)
+
+    def run(cuts, piece):
+        outs = []
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            mates = others[:i % 4]          # 0..3 decode rows beside the chunk
+            seqs = [SeqSlice(t, 30 + j, 1) for j, t in enumerate(mates)]
+            seqs.append(SeqSlice(table, a, b - a, piece))
+            attn = PagedAttention(layers, seqs, d ** -0.5, {}, fused=True)
+            m = len(mates)
+            out = attn(0, torch.cat([oq[:m], q[a:b]]), torch.cat([ok[:m], k[a:b]]),
+                       torch.cat([ov[:m], v[a:b]]))
+            outs.append(out[m:])
+        return torch.cat(outs)
+
+    rng = random.Random(1)
+    trials = [sorted(rng.sample(range(align, n, align), rng.randrange(1, 5))) for _ in range(12)]
+    whole, moved = run([0, n], align), 0
+    for cuts in trials:
+        assert torch.equal(run([0] + cuts + [n], align), whole), cuts
+        moved += not torch.equal(run([0] + cuts + [n], 1 << 30), run([0, n], 1 << 30))
+    assert moved > 0
