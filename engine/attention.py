@@ -18,8 +18,11 @@ CPU), every decode and verify group, a single sequence included, runs one fused 
 (`engine/cpu_attention.py`) that reads its blocks in place through a block table and a per-row
 mask (key j is visible to query i of sequence b iff j <= cached_b + i). Otherwise the group's
 blocks are copied (block by block, into a reused buffer) into a padded `[batch, keys]` view and
-one batched SDPA runs with the same mask; a sequence's first prefill chunk attends to its own
-new keys and values directly (causal), reading nothing from the pool. CUDA runs the gather +
+one batched SDPA runs with the same mask. A prompt chunk the scheduler marks (`prefill_align`)
+runs apart, in pieces cut at fixed multiples, one SDPA call each (`_Prefill`: a prompt's KV
+does not depend on where the load cut it); a first chunk attends to its own new keys and values
+directly, reading nothing from the pool. Unmarked chunks (a draft's catch-up) are grouped by
+length as above. CUDA runs the gather +
 SDPA path; a paged-attention library is not wired in yet.
 
 Batch invariance, and why it decides the path: the projections are row-invariant (oneDNN, in
