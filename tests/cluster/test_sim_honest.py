@@ -132,3 +132,26 @@ def test_article_claims_are_judged_per_placement_at_the_stated_tolerance():
     (verdict,) = compare_article([drop], rows, [])
     assert verdict["ours"] == {"sharded": 0.66, "whole": 0.75}
     assert verdict["agrees"] == {"sharded": True, "whole": False}
+
+
+def test_the_simulated_engine_chooses_k_for_goodput_as_the_engine_does():
+    """The engine picks k for the batch's goodput with no latency guard (`LLMEngine._choose_k`:
+    max_slowdown=None; the guard is the router's). The simulated engine must do the same, or
+    always-adaptive is simulated slower than it serves: with the guard a baseline-mode sequence
+    in the batch vetoed draft rounds that four well-accepting ones would have gained from."""
+    from cluster.sim.replica import Replica, Seq
+    from cluster.sim.scenarios import RequestSpec
+    from engine.cost_model import choose_k
+
+    r = Replica(replica(LINEAR))
+    decode = []
+    for i in range(5):
+        spec = RequestSpec(i, 0, 16, 600, 1024, "chat", 0.9, 0.0, i)
+        s = Seq(spec, 0.0, speculative=i < 4, k_cap=8 if i < 4 else 0)
+        s.accepted, s.rejected, s.computed = 90, 5, 100
+        decode.append(s)
+    ks = r._choose_ks(decode, 500, 0)
+    a = r.acceptance.value
+    accs = [round(s.estimate(a), 2) for s in decode]
+    assert ks == choose_k(accs, [8, 8, 8, 8, 0], r.belief, 4096, 0, max_slowdown=None)
+    assert all(k > 0 for k in ks[:4]) and ks[4] == 0

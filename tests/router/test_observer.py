@@ -102,7 +102,7 @@ def _simulate_and_record(monkeypatch, load: int):
     return events
 
 
-@pytest.mark.parametrize("load,reasons", [(4, {"low_load", "acceptance_low"}),
+@pytest.mark.parametrize("load,reasons", [(3, {"low_load", "acceptance_low"}),
                                           (6, {"low_load", "batch_large", "acceptance_low"})])
 def test_the_live_router_decides_as_the_simulator_on_the_same_engine_stats(monkeypatch, load, reasons):
     events = _simulate_and_record(monkeypatch, load)
