@@ -56,7 +56,7 @@ class SchedulerLimits:
     # Prompts are cut into chunks only at multiples of this many tokens (or at their end), and
     # attention runs a chunk in pieces cut at the same multiples (`engine/attention.py`), so a
     # prompt's KV is the same bits however the token budget cut it, that is under any load.
-    prefill_align: int = 16
+    prefill_align: int = 64
 
 
 class Scheduler:

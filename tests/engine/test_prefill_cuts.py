@@ -54,14 +54,15 @@ def _params():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prompt_kv_does_not_depend_on_where_it_was_cut(make_engine, dtype):
-    alone = make_engine(draft=False, dtype=dtype, max_num_batched_tokens=512)
+    alone = make_engine(draft=False, dtype=dtype, max_num_batched_tokens=512, prefill_align=16)
     expect, chunks = _prefilled(alone, "p", {0: [("p", PROMPT, _params(), RequestOptions())]})
     assert chunks == [len(PROMPT)]
     run_all(alone)
     seen = set()
     rng = random.Random(0)
     for budget in (16, 17, 20, 24, 30, 33, 40, 52):
-        engine = make_engine(dtype=dtype, max_num_batched_tokens=budget, prior_acceptance=0.95)
+        engine = make_engine(dtype=dtype, max_num_batched_tokens=budget, prior_acceptance=0.95,
+                             prefill_align=16)
         # Other requests, some speculating, arrive first, so that the step that starts the
         # prompt also carries their decode, verify and prompt tokens.
         arrivals = {}
