@@ -22,8 +22,8 @@ one batched SDPA runs with the same mask. A prompt chunk the scheduler marks (`p
 runs apart, in pieces cut at fixed multiples, one SDPA call each (`_Prefill`: a prompt's KV
 does not depend on where the load cut it); a first chunk attends to its own new keys and values
 directly, reading nothing from the pool. Unmarked chunks (a draft's catch-up) are grouped by
-length as above. CUDA runs the gather +
-SDPA path; a paged-attention library is not wired in yet.
+length as above. CUDA runs the gather + SDPA path; a paged-attention library is not wired in
+yet.
 
 Batch invariance, and why it decides the path: the projections are row-invariant (oneDNN, in
 float32 and bfloat16), and so is the fused kernel, bit for bit; SDPA's CPU kernel blocks its
@@ -172,9 +172,10 @@ class _Prefill(_Gathers):
     piece is the same call on the same inputs however the prompt was chunked and whatever ran
     beside it: a prompt's KV is the same bits under any load (tests/engine/
     test_prefill_cuts.py). SDPA's rows move with its number of queries and keys, so a chunk
-    attended in one call would not be: a prompt cut after 40 tokens in one run and kept whole
-    in another had other KV bits from its second layer on, and a near-tie 35 tokens later gave
-    another greedy token (reference-py-deep, batch 32; notes/issue10.md)."""
+    attended in one call would not be: a prompt whose last 16 tokens were a chunk of their own
+    in one run (the fused kernel's, then) and part of a longer one in another had other KV bits
+    from its second layer on, and a near-tie 35 tokens later gave another greedy token
+    (reference-py-deep, batch 32; notes/issue10.md, session 12)."""
 
     def __init__(self, s: SeqSlice, start: int, tpb: int, device):
         first, end, align = s.num_cached, s.num_cached + s.num_query, s.prefill_align

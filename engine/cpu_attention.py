@@ -64,12 +64,12 @@ def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
     b, nq, kv_heads, group, _ = q.shape
     nb, tpb = blocks.shape[1], k_cache.shape[1] * k_cache.shape[2]
     k = k_cache[blocks].flatten(2, 3).float().permute(0, 3, 1, 2, 4)     # [b, kvh, nb, tpb, d]
-    s = (q.float()[:, :, :, :, None, None, :] * k[:, None, :, None]).sum(-1)   # [b, nq, kvh, g, nb, tpb]
+    s = (q.float()[:, :, :, :, None, None, :] * k[:, None, :, None]).sum(-1)  # [b,nq,kvh,g,nb,tpb]
     s = s.flatten(4) * scale                                              # [b, nq, kvh, g, keys]
     s = s.masked_fill(~mask[:, :, None, None, :], float("-inf"))
     e = torch.exp(s - s.amax(-1, keepdim=True))
     v = v_cache[blocks].flatten(2, 3).float()                             # [b, nb, tpb, kvh, d]
-    w = e.view(b, nq, kv_heads, group, nb, tpb).permute(0, 4, 5, 1, 2, 3)   # [b, nb, tpb, nq, kvh, g]
+    w = e.view(b, nq, kv_heads, group, nb, tpb).permute(0, 4, 5, 1, 2, 3)  # [b,nb,tpb,nq,kvh,g]
     part = (w[..., None] * v[:, :, :, None, :, None]).sum(2)              # [b, nb, nq, kvh, g, d]
     return (part.sum(1) / e.sum(-1)[..., None]).to(q.dtype)               # [b, nq, kvh, g, d]
 

@@ -234,7 +234,7 @@ class LLMEngine:
         Steps in which a draft caught up on a prompt (a prefill) are not passed here (`step`):
         timed as decode steps, they priced drafting at several times its cost.
         """
-        if any(it.num_feed != 1 for it in items):      # decode steps only: prefill is noise here
+        if any(it.num_feed != 1 or it.prefill_align for it in items):   # decode steps only
             return
         self.cost.calibrate([it.k for it in items], sum(len(it.seq.token_ids) for it in items),
                             seconds, could_draft=any(it.seq.speculative for it in items))

@@ -257,7 +257,9 @@ class Scheduler:
             return False
         seq = self.waiting[0]
         n = self._chunk(seq, budget)
-        return n > 0 and self._need(ScheduledSeq(seq, n, 0))[0] <= self.pool.num_free - 2 * len(self.running)
+        if n == 0:                       # not one piece fits: the prompt waits this step
+            return False
+        return self._need(ScheduledSeq(seq, n, 0))[0] <= self.pool.num_free - 2 * len(self.running)
 
     def _allocate(self, item: ScheduledSeq) -> None:
         target, draft = self._need(item)

@@ -1,5 +1,12 @@
-"""The vLLM peer's table compares with the faster vLLM dtype per cell (cluster/bench/peer.py)."""
+"""The vLLM peer (cluster/bench/peer.py): driven one batch at a time, its table compares with
+the faster vLLM dtype per cell."""
 
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.bench import peer as peer_mod
 from cluster.bench.peer import best_of
 
 
@@ -28,26 +35,21 @@ print("READY " + json.dumps({"version": "stand-in"}), flush=True)
 for i, line in enumerate(sys.stdin):
     b = json.loads(line)["batch"]
     print("WARNING a log line between runs", flush=True)
-    print("RESULT " + json.dumps({"baseline": 10.0 * b + i, "speculative": 20.0 * b + i}), flush=True)
+    out = {"baseline": 10.0 * b + i, "speculative": 20.0 * b + i}
+    print("RESULT " + json.dumps(out), flush=True)
 '''
 
 
 def _args(tmp_path, dtypes):
-    from types import SimpleNamespace
-    import sys
-
     return SimpleNamespace(peer_python=sys.executable, family=str(tmp_path), new_tokens=8,
-                           threads=1, device="cpu", peer_spec_tokens=4, repeats=3, peer_dtype=dtypes)
+                           threads=1, device="cpu", peer_spec_tokens=4, repeats=3,
+                           peer_dtype=dtypes)
 
 
 def test_the_peer_runs_one_batch_at_a_time_between_its_log_lines(tmp_path, monkeypatch):
     """The vLLM child is driven one batch at a time (so the sweep interleaves it with our
     runs), its log lines are skipped, and each cell is the median of its runs. A stand-in child
     speaks the protocol: vLLM itself is not installed where the tests run."""
-    import pytest
-
-    from cluster.bench import peer as peer_mod
-
     child = tmp_path / "child.py"
     child.write_text(CHILD)
     monkeypatch.setattr(peer_mod, "CHILD", child)

@@ -70,7 +70,8 @@ def test_prompt_kv_does_not_depend_on_where_it_was_cut(make_engine, dtype):
             mode = ("speculative", "baseline")[j % 2]
             arrivals.setdefault(rng.randrange(3), []).append(
                 (f"o{j}", other, _params(), RequestOptions(mode=mode, k_max=1 + j)))
-        arrivals.setdefault(rng.randrange(2, 6), []).append(("p", PROMPT, _params(), RequestOptions()))
+        arrivals.setdefault(rng.randrange(2, 6), []).append(
+            ("p", PROMPT, _params(), RequestOptions()))
         kv, chunks = _prefilled(engine, "p", arrivals)
         seen.add(tuple(chunks))
         for layer, (got, want) in enumerate(zip(kv, expect)):
