@@ -94,12 +94,20 @@ def test_hysteresis_holds():
     high = [(b, s) for b, s, g in _state_sweep() if g < cfg.exit_gain][0]
     d = choose_tier(req(), high[1], PolicyState(speculating=True))
     assert (d.tier, d.state.speculating, d.state.stopped_at_batch) == ("baseline", False, high[0] + 1)
-    # a load where speculating pays well: restarts only if it is clearly below the stop batch
-    good_b, good = [(b, s) for b, s, g in _state_sweep() if g >= cfg.enter_gain][-1]
+    # a load where speculating pays, but not by reenter_gain: restarts only if it is clearly
+    # below the stop batch
+    sweep = list(_state_sweep())
+    good_b, good = [(b, s) for b, s, g in sweep if cfg.enter_gain <= g < cfg.reenter_gain][-1]
     inside = PolicyState(speculating=False, stopped_at_batch=good_b + 2)
     assert choose_tier(req(), good, inside).tier == "baseline"
     below = PolicyState(speculating=False, stopped_at_batch=int((good_b + 1) / (1 - cfg.batch_band)) + 2)
     assert choose_tier(req(), good, below).tier == "speculative"
+    # a stop decided on bad early numbers does not hold for good: where the gain has reached
+    # reenter_gain, speculation restarts at the very batch it stopped at
+    best_b, best = [(b, s) for b, s, g in sweep if g >= cfg.reenter_gain][-1]
+    stuck = PolicyState(speculating=False, stopped_at_batch=best_b + 1)
+    d = choose_tier(req(), best, stuck)
+    assert (d.tier, d.reason, d.state.speculating) == ("speculative", "low_load", True)
 
 
 def test_queue_deep_hysteresis():
