@@ -59,6 +59,15 @@ class SeqSlice:
 class _Gathers:
     """Copies the blocks of `self.blocks` ([batch, blocks]) out of the pool, `self.lk` keys."""
 
+    def _keys_values(self, rows, k, v, k_cache, v_cache, workspace, compute):
+        """(keys, values), each [batch, kv_heads, keys, d] in `compute`: where `self.fresh` (one
+        sequence, nothing cached) its own new rows of k and v, else gathered from the pool."""
+        if self.fresh:
+            return (k[rows].transpose(0, 1)[None].to(compute),
+                    v[rows].transpose(0, 1)[None].to(compute))
+        return (self._gather(k_cache, workspace, "k", compute),
+                self._gather(v_cache, workspace, "v", compute))
+
     def _gather(self, cache: torch.Tensor, workspace: dict | None, name: str,
                 compute: torch.dtype) -> torch.Tensor:
         """cache [num_blocks, chunks, tokens_per_chunk, kv_heads, d] -> [b, kv_heads, lk, d] in
@@ -130,12 +139,7 @@ class _Group(_Gathers):
 
     def run(self, q, k, v, k_cache, v_cache, out, scale, workspace, compute) -> None:
         if self.single:
-            if self.fresh:
-                keys = k[self.rows].transpose(0, 1)[None].to(compute)
-                values = v[self.rows].transpose(0, 1)[None].to(compute)
-            else:
-                keys = self._gather(k_cache, workspace, "k", compute)
-                values = self._gather(v_cache, workspace, "v", compute)
+            keys, values = self._keys_values(self.rows, k, v, k_cache, v_cache, workspace, compute)
             query = q[self.rows].transpose(0, 1)[None].to(compute)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask,
                                                is_causal=self.fresh and self.qmax > 1, scale=scale,
@@ -197,12 +201,7 @@ class _Prefill(_Gathers):
                                        device=device)
 
     def run(self, q, k, v, k_cache, v_cache, out, scale, workspace, compute) -> None:
-        if self.fresh:
-            keys = k[self.keys].transpose(0, 1)[None].to(compute)
-            values = v[self.keys].transpose(0, 1)[None].to(compute)
-        else:
-            keys = self._gather(k_cache, workspace, "k", compute)
-            values = self._gather(v_cache, workspace, "v", compute)
+        keys, values = self._keys_values(self.keys, k, v, k_cache, v_cache, workspace, compute)
         for rows, stop, mask in self.pieces:
             o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None].to(compute),
                                                keys[:, :, :stop], values[:, :, :stop],
