@@ -59,24 +59,24 @@ def _temperatures(text: str) -> list[float]:
     return temps
 
 
-def _fraction(text: str) -> float:
+def _number(text: str, ok, what: str) -> float:
+    """float(text) where ok(value), else argparse's error naming `what` (a non-number is NaN,
+    which no range admits)."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"a fraction in [0, 1), got {text!r}")
+        value = float("nan")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
     return value
+
+
+def _fraction(text: str) -> float:
+    return _number(text, lambda v: 0 <= v < 1, "a fraction in [0, 1)")
 
 
 def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"a number above 0, got {text!r}")
-    return value
+    return _number(text, lambda v: v > 0, "a number above 0")
 
 
 def _count(text: str) -> int:
