@@ -55,8 +55,10 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs >= 1 and max_num_batched_tokens >= 16")
         if self.prefill_align is None:
             self.prefill_align = min(64, max(1, self.max_num_batched_tokens // 4))
-        if not 1 <= self.prefill_align <= self.max_num_batched_tokens:
-            raise ValueError("prefill_align must be in [1, max_num_batched_tokens]")
+        if (not isinstance(self.prefill_align, int) or isinstance(self.prefill_align, bool)
+                or not 1 <= self.prefill_align <= self.max_num_batched_tokens):
+            raise ValueError(f"prefill_align must be an integer in [1, max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens})], got {self.prefill_align!r}")
         if not 0.0 < self.prior_acceptance < 1.0:
             raise ValueError("prior_acceptance must be in (0, 1)")
         if self.tp_size < 1:

@@ -41,7 +41,10 @@ class Peer:
                          "batches": batches, "new_tokens": args.new_tokens, "threads": args.threads,
                          "device": args.device, "num_spec": args.peer_spec_tokens,
                          "repeats": max(1, getattr(args, "repeats", 1)), "interleaved": True}
-        for dtype in [d.strip() for d in args.peer_dtype.split(",") if d.strip()]:
+        dtypes = [d.strip() for d in args.peer_dtype.split(",") if d.strip()]
+        if not dtypes:
+            raise SystemExit("--peer-dtype needs at least one dtype (e.g. bfloat16)")
+        for dtype in dtypes:
             job_path = Path(self._tmp.name) / f"job-{dtype}.json"
             job_path.write_text(json.dumps({**self.settings, "prompts": prompts, "dtype": dtype}))
             self.children[dtype] = subprocess.Popen(

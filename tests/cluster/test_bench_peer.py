@@ -65,3 +65,8 @@ def test_the_peer_runs_one_batch_at_a_time_between_its_log_lines(tmp_path, monke
     assert r["by_dtype"]["float32"]["runs"]["speculative"]["4"] == [83.0, 84.0, 85.0]
     with pytest.raises(SystemExit, match="exit 3"):
         peer_mod.Peer(_args(tmp_path, "broken"), [[1, 2, 3]], [1])
+
+
+def test_no_peer_dtype_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="peer-dtype"):
+        peer_mod.Peer(_args(tmp_path, " , "), [[1, 2, 3]], [1])

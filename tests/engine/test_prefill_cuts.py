@@ -78,3 +78,16 @@ def test_prompt_kv_does_not_depend_on_where_it_was_cut(make_engine, dtype):
             assert torch.equal(got, want), (budget, chunks, layer)
         run_all(engine)
     assert len(seen) >= 4, seen           # the prompt was cut in several different ways
+
+
+@pytest.mark.parametrize("align", [0, -16, 2.5, "16", True, 1024])
+def test_a_bad_prefill_align_is_refused_at_config(tiny_family, align):
+    """An align that is no integer in [1, max_num_batched_tokens] would cut pieces of no size
+    (or slice with floats mid-step): refused where the config is built, naming the field."""
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="prefill_align"):
+        EngineConfig(str(tiny_family["target"]), None, max_num_batched_tokens=512,
+                     prefill_align=align)
+    assert EngineConfig(str(tiny_family["target"]), None, max_num_batched_tokens=40,
+                        profile=False).prefill_align == 10
