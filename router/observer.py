@@ -137,10 +137,16 @@ def _tier_health(replicas: dict) -> dict:
     reps = list(replicas.values())
     acc = [r.token_acceptance for r in reps if r.token_acceptance is not None]
     headroom = [r.kv_headroom_bytes / r.kv_budget_bytes for r in reps if r.kv_budget_bytes > 0]
+    costs = [r.cost for r in reps if r.cost is not None]
     return {"replicas": len(reps), "running": sum(r.num_running for r in reps),
             "waiting": sum(r.num_waiting for r in reps),
             "kv_headroom": round(max(headroom, default=1.0), 4), "replica_ids": list(replicas),
             "kv_budget_bytes": sum(r.kv_budget_bytes for r in reps),
             "kv_used_target_bytes": sum(r.kv_used_target_bytes for r in reps),
             "kv_used_draft_bytes": sum(r.kv_used_draft_bytes for r in reps),
-            "token_acceptance": sum(acc) / len(acc) if acc else None}
+            "token_acceptance": sum(acc) / len(acc) if acc else None,
+            # what the replicas learnt while serving beyond their profiled step cost (the
+            # per-sequence overhead and the draft's price factor): `simulate --scenario local-cpu`
+            # times its replicas with them
+            "cost_per_seq_ms": sum(c.per_seq_s for c in costs) / len(costs) * 1e3 if costs else None,
+            "cost_spec_scale": sum(c.spec_scale for c in costs) / len(costs) if costs else None}

@@ -195,6 +195,9 @@ class HealthSampler:
                                                  1.0 - s.get("kv_headroom", 1.0))
                 if s.get("token_acceptance") is not None:
                     p["acceptance"].append(s["token_acceptance"])
+                for key in ("cost_per_seq_ms", "cost_spec_scale"):   # the window's last value
+                    if s.get(key) is not None:
+                        p[key] = s[key]
         for p in out.values():
             acc = p.pop("acceptance")
             p["mean_token_acceptance"] = sum(acc) / len(acc) if acc else None

@@ -1,44 +1,72 @@
-"""The local-cpu scenario's step-cost fit (non-negative least squares), robust to samples taken
-on a shared machine."""
+"""`specserve simulate --scenario local-cpu`: the served engine's step times (its profile plus
+what it learnt while serving), and a bench serve run mirrored load for load."""
 
-import random
+import argparse
+import json
 
 import pytest
 
-from cluster.sim.local import fit_linear, robust_fit
-from engine.cost_model import LinearCost
+from cluster.sim.local import add_arguments, bench_acceptance, bench_learnt, run_local, serving_cost
+from engine.cost_model import LinearCost, LinearStepCost
 
 
-def test_robust_fit_recovers_the_step_cost_despite_contended_samples():
-    true = lambda n, t: 0.004 + 0.0003 * n + 0.0002 * t          # noqa: E731
-    rng = random.Random(0)
-    samples = [(n, n * q, 0, true(n, n * q) * rng.uniform(0.97, 1.03))
-               for n in (1, 2, 4, 8, 16, 32) for q in (1, 2, 3, 5, 8)]
-    for i in (0, 7, 13, 22):                                       # another process ran meanwhile
-        n, t, c, s = samples[i]
-        samples[i] = (n, t, c, s * 6)
-    fit = robust_fit(samples)
-    assert fit.fixed_s == pytest.approx(0.004, rel=0.1)
-    assert fit.per_seq_s == pytest.approx(0.0003, rel=0.2)
-    assert fit.per_token_s == pytest.approx(0.0002, rel=0.1)
+def _run(policy, acceptance=None, per_seq_ms=None, spec_scale=None):
+    target = {"mean_token_acceptance": acceptance, "cost_per_seq_ms": per_seq_ms, "cost_spec_scale": spec_scale}
+    return {"policy": policy, "health_peaks": {"target": {k: v for k, v in target.items() if v is not None}}}
 
 
-def test_linear_fit_recovers_coefficients():
-    true = LinearCost(2e-3, 1e-5, 3e-6, 1e-8)
-    rng = random.Random(0)
-    samples = [(n, n * t, c, true(n, n * t, c)) for n, t, c in
-               ((rng.randint(1, 64), rng.randint(1, 9), rng.randint(0, 50_000)) for _ in range(40))]
-    fit = fit_linear(samples)
-    for got, want in zip((fit.fixed_s, fit.per_seq_s, fit.per_token_s, fit.per_ctx_token_s),
-                         (true.fixed_s, true.per_seq_s, true.per_token_s, true.per_ctx_token_s)):
-        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+def test_what_the_replica_learnt_is_read_from_the_runs_that_show_it():
+    bench = {"runs": [_run("standard", per_seq_ms=0.5, spec_scale=1.0),     # nobody drafted
+                      _run("always-adaptive", 0.7, per_seq_ms=0.3, spec_scale=1.4),
+                      _run("always-adaptive", 0.6, per_seq_ms=0.4, spec_scale=1.2),
+                      _run("auto", 0.2, per_seq_ms=0.4, spec_scale=3.0)]}     # auto may not draft
+    assert bench_learnt(bench) == {"per_seq_ms": pytest.approx(0.4), "spec_scale": pytest.approx(1.3)}
+    # a run of only always-adaptive (no premium) still gives the acceptance
+    assert bench_acceptance(bench) == pytest.approx(0.65)
+    assert bench_learnt({"runs": [_run("standard")]}) == {}
+    assert bench_acceptance({}) is None
 
 
-def test_linear_fit_is_non_negative_and_skips_constant_columns():
-    # time falls with num_seqs in the data: least squares would give a negative slope
-    samples = [(n, 8, 0, 0.01 - 1e-4 * n) for n in range(1, 9)]
-    fit = fit_linear(samples)
-    assert min(fit.fixed_s, fit.per_seq_s, fit.per_token_s, fit.per_ctx_token_s) >= 0.0
-    assert fit.per_ctx_token_s == 0.0
-    with pytest.raises(ValueError):
-        fit_linear([])
+def test_serving_cost_adds_what_was_learnt_to_the_profile():
+    base = LinearStepCost(LinearCost(0.010, 0.001, 0.0001), LinearCost(0.002, 0.0005, 0.0))
+    plain = serving_cost(base)
+    assert plain.target_s(4, 4) == pytest.approx(base.target_s(4, 4))
+    assert plain.draft_s(4, 4) == pytest.approx(base.draft_s(4, 4))
+    cost = serving_cost(base, overhead_s=0.003, learnt={"per_seq_ms": 0.5, "spec_scale": 1.5})
+    assert cost.target_s(4, 4) == pytest.approx(base.target_s(4, 4) + 0.003 + 4 * 0.0005)
+    assert cost.draft_s(4, 4) == pytest.approx(1.5 * base.draft_s(4, 4))
+
+
+def test_local_cpu_mirrors_a_bench_run_users_and_poisson_rates(tiny_family, tmp_path):
+    """Given a bench JSON, the simulation takes its family, config, policies and loads, open
+    loop at its Poisson rates, and joins each row with what was measured."""
+    family = tiny_family["target"].parent
+    config = tmp_path / "app.yaml"
+    config.write_text(f"""app:
+  name: specserve
+  target: {{model: "{family}/target", draft: "{family}/draft", dtype: float32, num_threads: 1, max_num_seqs: 8}}
+  small: {{model: "{family}/small", num_threads: 1, max_num_seqs: 8}}
+""")
+    measured = lambda p, kind, load: {"policy": p, "load_kind": kind, "load": load,   # noqa: E731
+                                      "output_tok_s": 100.0, "e2e_s": {"p95": 1.0}}
+    bench = {"args": {"start_local": str(family), "config": str(config), "users": "2", "rates": "0.5",
+                      "policies": "standard,always-adaptive", "output_tokens": 16, "output_spread": 0.5},
+             "results": [measured("standard", "users", 2), measured("always-adaptive", "rate", 0.5)],
+             "runs": [_run("always-adaptive", 0.5, per_seq_ms=0.1, spec_scale=1.2)]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=lambda p: tmp_path / p)
+    args = parser.parse_args(["--bench", str(path), "--json", "out.json"])
+    assert run_local(args) == 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["learnt"] == {"per_seq_ms": 0.1, "spec_scale": 1.2} and out["acceptance"] == 0.5
+    rows = {(r["policy"], r["load_kind"], r["load"]): r for r in out["rows"]}
+    assert set(rows) == {(p, k, v) for p in ("standard", "always-adaptive") for k, v in (("users", 2), ("rate", 0.5))}
+    assert rows[("standard", "users", 2)]["measured_tok_s"] == 100.0
+    assert rows[("always-adaptive", "users", 2)]["measured_tok_s"] is None
+    # open loop below saturation carries the offered load: 0.5 requests/s of ~16 tokens
+    for p in ("standard", "always-adaptive"):
+        assert 0.5 * 16 * 0.6 < rows[(p, "rate", 0.5)]["predicted_tok_s"] < 0.5 * 16 * 1.6

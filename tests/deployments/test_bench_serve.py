@@ -76,6 +76,9 @@ def test_bench_serve_writes_consistent_numbers(app, tmp_path):
         if r["load_kind"] == "users" and r["policy"] in ("premium", "always-adaptive"):
             peaks = r["health_peaks"]["target"]
             assert peaks["peak_kv_used_target_bytes"] > 0 and peaks["peak_kv_used_draft_bytes"] > 0
+    for r in report["runs"]:        # what the target learnt while serving, for local-cpu
+        learnt = r["health_peaks"]["target"]
+        assert learnt["cost_per_seq_ms"] >= 0 and learnt["cost_spec_scale"] > 0
     assert len(report["comparison"]) == 2
 
 

@@ -134,3 +134,15 @@ def test_the_live_router_decides_as_the_simulator_on_the_same_engine_stats(monke
             decision = choose_tier(request, stats, state, PolicyConfig())
             assert decision == sim_decision
             state = decision.state
+
+
+def test_health_shows_what_the_replicas_learnt_beyond_their_profile():
+    """`/health` reports the replicas' learnt per-sequence overhead and draft price factor
+    (their mean), which `bench serve` records for `simulate --scenario local-cpu`."""
+    obs = Observer()
+    obs.report("a", engine_stats(cost=CalibratedCost(COST.base, per_seq_s=2e-4, spec_scale=1.0)))
+    obs.report("b", engine_stats(cost=CalibratedCost(COST.base, per_seq_s=4e-4, spec_scale=1.5)))
+    target = obs.health()["target"]
+    assert target["cost_per_seq_ms"] == pytest.approx(0.3)
+    assert target["cost_spec_scale"] == pytest.approx(1.25)
+    assert obs.health()["small"]["cost_per_seq_ms"] is None      # no replica reported yet
