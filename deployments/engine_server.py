@@ -176,6 +176,7 @@ class EngineServer:
         return ids
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        from engine.async_engine import merge_outputs
         from engine.sampling_params import Mode, RequestOptions, SamplingParams
 
         self._start_exporter()
@@ -187,18 +188,24 @@ class EngineServer:
             raise TierError(400, str(exc)) from None
         prompt_ids = self._prompt_token_ids(req)
         start = last = time.monotonic()
-        first = True
+        first, held = True, None
         try:
             async for out in self.engine.generate(req.request_id, prompt_ids, params, options):
                 now = time.monotonic()
                 if out.token_ids:
                     if first:
                         self.metrics.ttft.observe(now - start, tags={"tier": req.tier})
-                        first = False
                     else:
                         self.metrics.itl.observe((now - last) / len(out.token_ids),
                                                  tags={"tier": req.tier})
                     last = now
+                # stream_interval: hold the tokens after the first until enough have gathered
+                out = merge_outputs(held, out) if held is not None else out
+                held = None
+                if not first and not out.finished and len(out.token_ids) < self.tier.stream_interval:
+                    held = out
+                    continue
+                first = first and not out.token_ids
                 yield GenerateChunk(text=out.text, token_ids=list(out.token_ids), finished=out.finished,
                                 finish_reason=_value(out.finish_reason),
                                 num_prompt_tokens=out.num_prompt_tokens,

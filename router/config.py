@@ -48,6 +48,10 @@ class TierModelConfig(_Strict):
         "busy replicas and Ray), spin tens of microseconds first (brief: a step runs at nearly "
         "the spinning speed, idle replicas sleep), or spin up to ~1 ms (spin: the rank has its "
         "cores to itself); see engine/__init__.py")
+    stream_interval: int = Field(1, ge=1, description="tokens a stream gathers before it sends "
+        "them (the first token and the last go at once): every message up the serving path "
+        "(Ray, ingress, proxy, client) costs CPU per request and step, so more than 1 trades "
+        "smooth streaming for throughput under load, as vLLM's --stream-interval")
     max_ongoing_requests: int = Field(64, ge=1, description="Serve: concurrent requests per replica")
     max_queued_requests: int = Field(32, ge=1, description="Serve: queued requests per caller")
     engine_args: dict[str, Any] = Field(default_factory=dict,

@@ -45,6 +45,26 @@ def test_generate_streams_chunks_and_counts(small):
     assert chat[-1].num_prompt_tokens > 1
 
 
+def test_stream_interval_gathers_tokens_after_the_first(small, tiny_family):
+    """stream_interval 5: the first token goes alone, then chunks of at least five but the
+    last; the same tokens as a stream of every step (greedy)."""
+    sampling = {"max_tokens": 17, "temperature": 0, "ignore_eos": True}
+    every = _collect(small, _request("every", prompt="def add(a, b):", sampling=sampling))
+    assert len(every) > 5         # a step's token each (outputs that piled up go as one)
+    gathered = _server(SmallServer, tiny_family, stream_interval=5)
+    try:
+        chunks = _collect(gathered, _request("five", prompt="def add(a, b):", sampling=sampling))
+    finally:
+        gathered.engine.shutdown()
+    sizes = [len(c.token_ids) for c in chunks]
+    assert sum(sizes) == 17 and min(sizes[1:-1]) >= 5 and len(chunks) <= 5, sizes
+    assert [t for c in chunks for t in c.token_ids] == [t for c in every for t in c.token_ids]
+    assert "".join(c.text for c in chunks) == "".join(c.text for c in every)
+    assert chunks[-1].finished and chunks[-1].num_output_tokens == 17
+    with pytest.raises(ValueError):
+        TierModelConfig(model="m", stream_interval=0)
+
+
 def test_bad_requests_are_400(small):
     with pytest.raises(TierError) as err:
         _collect(small, _request(prompt="x", sampling={"max_tokens": 4, "top_p": 0}))
