@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-
 def add_arguments(parser) -> None:
     a = parser.add_argument
     a("--family", default=None,
@@ -133,11 +132,8 @@ def bench_acceptance(bench: dict) -> float | None:
                    for r in bench.get("runs", []) if r["policy"] in SPECULATING)
 
 
-def _loads(text: str | None, cast) -> list:
-    return [cast(x) for x in (text or "").split(",") if x.strip()]
-
-
 def run_local(args) -> int:
+    from cluster.bench.serve import _list
     from cluster.sim.scenarios import AcceptanceMix, Workload
     from cluster.sim.simulator import simulate
 
@@ -145,9 +141,9 @@ def run_local(args) -> int:
     given = bench.get("args", {})
     pick = lambda mine, key, default: mine if mine is not None else given.get(key, default)  # noqa: E731
     family, config = pick(args.family, "start_local", None), pick(args.config, "config", None)
-    loads = ([("users", u) for u in _loads(pick(args.users, "users", "1,2,4,8,16"), int)]
-             + [("rate", r) for r in _loads(pick(args.rates, "rates", ""), float)])
-    policies = _loads(pick(args.policies, "policies", ",".join(POLICY_OF)), str)
+    loads = ([("users", u) for u in _list(pick(args.users, "users", "1,2,4,8,16"), int)]
+             + [("rate", r) for r in _list(pick(args.rates, "rates", ""), float)])
+    policies = _list(pick(args.policies, "policies", ",".join(POLICY_OF)), str)
     unknown = set(policies) - set(POLICY_OF)
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; known: {list(POLICY_OF)}")
