@@ -49,8 +49,8 @@ class Peer:
             job_path.write_text(json.dumps({**self.settings, "prompts": prompts, "dtype": dtype}))
             self.children[dtype] = subprocess.Popen(
                 [args.peer_python, str(CHILD), str(job_path)],
-                env=env_for(args.peer_python, args.threads), cwd=self._tmp.name, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True)
+                env=env_for(args.peer_python, args.threads), cwd=self._tmp.name,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             self.version = json.loads(self._answer(dtype, READY))["version"]
             self.runs[dtype] = {"baseline": {}, "speculative": {}}
 

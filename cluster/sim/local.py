@@ -35,7 +35,8 @@ def add_arguments(parser) -> None:
     a("--policies", default=None, help="local-cpu: bench serve's policy names (default: the --bench run's)")
     a("--acceptance", type=float, default=None,
       help="local-cpu: per-token acceptance (default: the bench JSON's, else 0.7)")
-    a("--output-tokens", type=int, default=None, help="local-cpu: mean max_tokens (default: the --bench run's, else 64)")
+    a("--output-tokens", type=int, default=None,
+      help="local-cpu: mean max_tokens (default: the --bench run's, else 64)")
     a("--overhead-ms", type=float, default=0.0,
       help="local-cpu: serving overhead per step added to the profile (ms)")
     a("--profile-only", action="store_true",
@@ -137,7 +138,13 @@ def run_local(args) -> int:
     from cluster.sim.scenarios import AcceptanceMix, Workload
     from cluster.sim.simulator import simulate
 
-    bench = json.loads(args.bench.read_text()) if args.bench else {}
+    try:
+        bench = json.loads(args.bench.read_text()) if args.bench else {}
+        if not isinstance(bench, dict) or not isinstance(bench.get("results", []), list):
+            raise ValueError("not a `specserve bench serve` JSON")
+    except (OSError, ValueError) as exc:
+        print(f"specserve simulate: cannot read --bench {args.bench}: {exc}", file=sys.stderr)
+        return 2
     given = bench.get("args", {})
     pick = lambda mine, key, default: mine if mine is not None else given.get(key, default)  # noqa: E731
     family, config = pick(args.family, "start_local", None), pick(args.config, "config", None)
@@ -146,7 +153,9 @@ def run_local(args) -> int:
     policies = _list(pick(args.policies, "policies", ",".join(POLICY_OF)), str)
     unknown = set(policies) - set(POLICY_OF)
     if unknown:
-        raise ValueError(f"unknown policies {sorted(unknown)}; known: {list(POLICY_OF)}")
+        print(f"specserve simulate: unknown policies {sorted(unknown)}; known: {list(POLICY_OF)}",
+              file=sys.stderr)
+        return 2
     output_tokens = int(pick(args.output_tokens, "output_tokens", 64))
     spread = max(1, round(output_tokens * float(given.get("output_spread", 0.5))))
     learnt = {} if args.profile_only else bench_learnt(bench)

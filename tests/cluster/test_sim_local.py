@@ -70,3 +70,16 @@ def test_local_cpu_mirrors_a_bench_run_users_and_poisson_rates(tiny_family, tmp_
     # open loop below saturation carries the offered load: 0.5 requests/s of ~16 tokens
     for p in ("standard", "always-adaptive"):
         assert 0.5 * 16 * 0.6 < rows[(p, "rate", 0.5)]["predicted_tok_s"] < 0.5 * 16 * 1.6
+
+
+def test_bad_input_is_a_message_not_a_traceback(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    assert run_local(parser.parse_args(["--bench", str(tmp_path / "missing.json")])) == 2
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert run_local(parser.parse_args(["--bench", str(tmp_path / "bad.json")])) == 2
+    assert run_local(parser.parse_args(["--policies", "standard,fastest"])) == 2
+    err = capsys.readouterr().err
+    assert "missing.json" in err and "not a `specserve bench serve` JSON" in err and "fastest" in err
