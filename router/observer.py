@@ -19,13 +19,22 @@ anything (that is `router/pricing.py` and `router/accounting.py`).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from statistics import median
 
 from engine.acceptance import CLASS_DECAY, CLASS_PRIOR_TRIALS, MIN_SAMPLE_TRIALS, AcceptanceEstimate
 from engine.outputs import EngineStats
 from router.stats import PROMPT_CLASSES, ClusterStats, TierStats
 
 RECENT_REQUESTS = 256        # finished requests behind the acceptance samples and mean lengths
+# The draft's price factor a replica learnt (`CalibratedCost.spec_scale`) as the policy sees it:
+# the median of what the replica reported over its last PRICE_WINDOW_S seconds. The engine
+# relearns it every few drafting steps (its own k choice wants that), and under serving it
+# swung 1.0-3.5x within seconds while acceptance held at 0.77-0.83 (reference-py, 8 users,
+# notes/issue8.md, session 14): a tier decision binds a request for seconds, and one spike
+# sent whole seconds of auto's requests to baseline as `acceptance_low`.
+PRICE_WINDOW_S = 30.0
+PRICE_SAMPLES = 256
 
 
 @dataclass(frozen=True)
@@ -46,15 +55,23 @@ class Observer:
         self.by_class: dict[str, AcceptanceEstimate] = {}
         self.samples: deque[float] = deque(maxlen=RECENT_REQUESTS)
         self.lengths: deque[tuple[int, int]] = deque(maxlen=RECENT_REQUESTS)
+        self.prices: dict[str, deque[tuple[float, float]]] = {}    # replica -> (time, spec_scale)
 
     # -- in -----------------------------------------------------------------------------------
     def report(self, replica_id: str, stats: EngineStats, kind: str = "target") -> None:
         self.replicas.setdefault(kind, {})[replica_id] = stats
+        if stats.cost is not None:
+            seen = self.prices.setdefault(replica_id, deque(maxlen=PRICE_SAMPLES))
+            if not seen or stats.time > seen[-1][0]:         # a new report, not a repeat
+                seen.append((stats.time, stats.cost.spec_scale))
 
     def retain(self, kind: str, replica_ids) -> None:
         """Forget the replicas of `kind` not in replica_ids (gone, or their stats went stale)."""
         keep = set(replica_ids)
+        gone = set(self.replicas.get(kind, {})) - keep
         self.replicas[kind] = {r: s for r, s in self.replicas.get(kind, {}).items() if r in keep}
+        for r in gone:
+            self.prices.pop(r, None)
 
     def queued(self, kind: str, n: int) -> None:
         self.num_queued[kind] = n
@@ -106,6 +123,15 @@ class Observer:
         """Per tier: replicas, load, KV bytes held and live acceptance (for `/health`)."""
         return {kind: _tier_health(replicas) for kind, replicas in self.replicas.items()}
 
+    def _cost(self, replica_id: str, s: EngineStats):
+        """The replica's cost with its draft price factor at the median of its recent reports."""
+        seen = self.prices.get(replica_id)
+        if s.cost is None or not seen:
+            return s.cost
+        recent = [scale for t, scale in seen if t >= seen[-1][0] - PRICE_WINDOW_S]
+        scale = median(recent)
+        return s.cost if scale == s.cost.spec_scale else replace(s.cost, spec_scale=scale)
+
     def _prior(self) -> float:
         live = self.next_replica("target")
         return live.token_acceptance if live and live.token_acceptance is not None else self.default_acceptance
@@ -115,6 +141,7 @@ class Observer:
         s = self.next_replica(kind)
         if s is None:
             return TierStats(queue_depth=queued)
+        replica_id = next(r for r, x in self.replicas[kind].items() if x is s)
         draft_kv = s.draft_kv_bytes_per_token if kind == "target" else 0.0
         n = len(self.lengths)
         return TierStats(
@@ -128,7 +155,7 @@ class Observer:
             acceptance_samples=tuple(self.samples),
             mean_prompt_tokens=sum(p for p, _ in self.lengths) / n if n else 0.0,
             mean_output_tokens=sum(o for _, o in self.lengths) / n if n else 0.0,
-            cost=s.cost if draft_kv > 0 else None)
+            cost=self._cost(replica_id, s) if draft_kv > 0 else None)
 
 
 def _tier_health(replicas: dict) -> dict:

@@ -15,7 +15,7 @@ from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost
 from engine.outputs import EngineStats
 from router import live_stats
 from router.observer import Observer, RequestOutcome
-from router.policy import PolicyConfig, PolicyState, choose_tier
+from router.policy import PolicyConfig, PolicyState, TierRequest, choose_tier
 
 COST = CalibratedCost(LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(1e-4, 1e-6, 1e-7)), 2e-4)
 
@@ -146,3 +146,39 @@ def test_health_shows_what_the_replicas_learnt_beyond_their_profile():
     assert target["cost_per_seq_ms"] == pytest.approx(0.3)
     assert target["cost_spec_scale"] == pytest.approx(1.25)
     assert obs.health()["small"]["cost_per_seq_ms"] is None      # no replica reported yet
+
+
+def test_the_policy_sees_the_draft_price_at_its_recent_median():
+    """The draft's price factor the engine learns swings within seconds under serving (1.0-3.5x
+    at steady acceptance, notes/issue8.md): one spike must not send auto's requests to baseline
+    as `acceptance_low`; a change that lasts moves the price; a replica that left is forgotten."""
+    cost = CalibratedCost(LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(3e-4, 1e-6, 1e-7)),
+                          2e-4)
+
+    def stats(scale: float, t: float) -> EngineStats:
+        return engine_stats(cost=replace(cost, spec_scale=scale), token_acceptance=0.7,
+                            kv_budget_bytes=10**9, time=t)
+
+    def decide(obs: Observer) -> str:
+        return choose_tier(TierRequest(), obs.cluster_stats(), PolicyState()).reason
+
+    obs = Observer()
+    for t in range(60):
+        obs.report("a", stats(1.2, float(t)))
+    assert decide(obs) == "low_load"
+    obs.report("a", stats(3.5, 60.0))                   # one spike: speculating still pays
+    for _ in range(40):                                 # the poller re-reads the same report
+        obs.report("a", stats(3.5, 60.0))
+    assert obs.cluster_stats().target.cost.spec_scale == 1.2
+    assert decide(obs) == "low_load"
+    assert obs.health()["target"]["cost_spec_scale"] == 3.5     # /health: what the replica has now
+    for t in range(61, 96):                             # the draft stays dear for 35 s: the
+        obs.report("a", stats(3.5, float(t)))           # price follows (the minute before ages out)
+    assert obs.cluster_stats().target.cost.spec_scale == 3.5
+    assert decide(obs) == "acceptance_low"
+    for t in range(96, 140):                            # cheap again
+        obs.report("a", stats(1.2, float(t)))
+    assert obs.cluster_stats().target.cost.spec_scale == 1.2
+    obs.retain("target", [])
+    obs.report("a", stats(3.5, 150.0))                  # back after leaving: its new price only
+    assert obs.cluster_stats().target.cost.spec_scale == 3.5
