@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 
 ATTENTION = ("sdpa", "fused")
+PREFILL_MODES = ("mixed", "no_draft", "alone")
 
 
 @dataclass
@@ -30,9 +31,11 @@ class EngineConfig:
     max_model_len: int | None = None     # None: the target's max_position_embeddings
     max_waiting: int = 256               # queue bound; beyond it add_request refuses (429)
     adaptive_k: bool = True              # False: every speculative sequence drafts k_max each step
-    prefill_first: bool = False          # True: no draft rounds in a step that carries prompt
-                                         # tokens (engine/scheduler.py: time to first token for
-                                         # throughput; off by default, notes/issue10.md)
+    prefill_mode: str = "mixed"          # a step that carries prompt tokens: "mixed" (the batch
+                                         # decodes and drafts in it), "no_draft" (decodes, no
+                                         # draft rounds) or "alone" (prompts in a step of their
+                                         # own): time to first token against throughput,
+                                         # engine/scheduler.py and notes/issue10.md
     prefill_align: int | None = None     # prompts are cut into chunks only at multiples of
                                          # this (or their end) and attended in pieces of it, so
                                          # a prompt's KV is the same bits under any load
@@ -59,6 +62,8 @@ class EngineConfig:
                 or not 1 <= self.prefill_align <= self.max_num_batched_tokens):
             raise ValueError(f"prefill_align must be an integer in [1, max_num_batched_tokens "
                              f"({self.max_num_batched_tokens})], got {self.prefill_align!r}")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
         if not 0.0 < self.prior_acceptance < 1.0:
             raise ValueError("prior_acceptance must be in (0, 1)")
         if self.tp_size < 1:

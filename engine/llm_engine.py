@@ -77,7 +77,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
         self.cost = CalibratedCost(self._cost_model(), draft_excess=True)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                 prefill_first=config.prefill_first,
+                                 prefill_mode=config.prefill_mode,
                                  prefill_align=config.prefill_align)
         self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance)
         self.metrics = Metrics()

@@ -46,13 +46,17 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     spec_min_free_fraction: float = 0.10   # below this headroom, new requests do not speculate
-    # A step that carries prompt tokens (a request admitted now, or a prompt's next chunk) runs
-    # no draft rounds: the new request's first token waits for that step, and draft rounds
-    # for the running batch would lengthen it by up to k forwards of the draft plus a verify
-    # of k + 1 tokens a sequence. Costs the running sequences one speculative step per arrival:
-    # through HTTP (reference-py, 16 streams) TTFT p50 224 -> 148 ms but 478 -> 410 tok/s, so
-    # it is off by default (EngineConfig.prefill_first).
-    prefill_first: bool = False
+    # How a step that carries prompt tokens (a request admitted now, or a prompt's next chunk)
+    # treats the decoding batch; the new request's first token waits for that step:
+    #   "mixed": the batch decodes and drafts in it as in any step (throughput first);
+    #   "no_draft": the batch decodes but runs no draft rounds, which would lengthen the step by
+    #     up to k forwards of the draft plus a verify of k + 1 tokens a sequence. Through HTTP
+    #     (reference-py, 16 streams) TTFT p50 224 -> 148 ms but 478 -> 410 tok/s;
+    #   "alone": the prompts run in a step of their own, as SGLang's prefill batches and vLLM's
+    #     V0 scheduler: the first token waits for the step under way and a short prefill, not for
+    #     a speculative step of the whole batch. The batch sits out that step (never two in a
+    #     row, so decoding cannot starve); each arrival costs one forward's fixed cost.
+    prefill_mode: str = "mixed"
     # Prompts are cut into chunks only at multiples of this many tokens (or at their end), and
     # attention runs a chunk in pieces cut at the same multiples (`engine/attention.py`), so a
     # prompt's KV is the same bits however the token budget cut it, that is under any load.
@@ -71,6 +75,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_spec_downgrades = 0
         self.truncated: list[Sequence] = []   # finished here (KV outgrown); the engine reports them
+        self.last_alone = False               # the last step ran prompts alone (prefill_mode)
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -168,10 +173,13 @@ class Scheduler:
         # 1. Running sequences: decode items (with k) and prefill continuations. Every decoding
         #    sequence enters the k decision (k_max 0 in baseline mode: it pays for draft rounds
         #    too); prefill riding in the same forward is passed as extra tokens.
-        decode = [s for s in self.running if not s.in_prefill]
+        mode = limits.prefill_mode
+        carries = mode != "mixed" and self._carries_prompt(budget)
+        alone = mode == "alone" and carries and not self.last_alone
+        self.last_alone = alone
+        decode = [] if alone else [s for s in self.running if not s.in_prefill]
         ks = {}
-        if any(s.speculative for s in decode) and not (limits.prefill_first
-                                                       and self._carries_prompt(budget)):
+        if any(s.speculative for s in decode) and not (mode == "no_draft" and carries):
             room = [max(0, min(s.options.k_max, limits.max_model_len - len(s.token_ids) - 1,
                                s.params.max_tokens - s.num_output - 1)) if s.speculative else 0
                     for s in decode]
@@ -186,7 +194,7 @@ class Scheduler:
                 n = self._chunk(s, budget, at_least_one=True)
                 items[id(s)] = ScheduledSeq(s, n, 0, limits.prefill_align)
                 budget -= n
-            else:
+            elif not alone:
                 k = ks.get(id(s), 0)
                 items[id(s)] = ScheduledSeq(s, len(s.token_ids) - s.num_computed, k)
                 budget -= 1 + k
