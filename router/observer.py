@@ -55,13 +55,13 @@ class Observer:
         self.by_class: dict[str, AcceptanceEstimate] = {}
         self.samples: deque[float] = deque(maxlen=RECENT_REQUESTS)
         self.lengths: deque[tuple[int, int]] = deque(maxlen=RECENT_REQUESTS)
-        self.prices: dict[str, deque[tuple[float, float]]] = {}    # replica -> (time, spec_scale)
+        self.prices: dict[tuple[str, str], deque] = {}     # (kind, replica) -> (time, spec_scale)
 
     # -- in -----------------------------------------------------------------------------------
     def report(self, replica_id: str, stats: EngineStats, kind: str = "target") -> None:
         self.replicas.setdefault(kind, {})[replica_id] = stats
         if stats.cost is not None:
-            seen = self.prices.setdefault(replica_id, deque(maxlen=PRICE_SAMPLES))
+            seen = self.prices.setdefault((kind, replica_id), deque(maxlen=PRICE_SAMPLES))
             if not seen or stats.time > seen[-1][0]:         # a new report, not a repeat
                 seen.append((stats.time, stats.cost.spec_scale))
 
@@ -71,7 +71,7 @@ class Observer:
         gone = set(self.replicas.get(kind, {})) - keep
         self.replicas[kind] = {r: s for r, s in self.replicas.get(kind, {}).items() if r in keep}
         for r in gone:
-            self.prices.pop(r, None)
+            self.prices.pop((kind, r), None)
 
     def queued(self, kind: str, n: int) -> None:
         self.num_queued[kind] = n
@@ -123,9 +123,9 @@ class Observer:
         """Per tier: replicas, load, KV bytes held and live acceptance (for `/health`)."""
         return {kind: _tier_health(replicas) for kind, replicas in self.replicas.items()}
 
-    def _cost(self, replica_id: str, s: EngineStats):
+    def _cost(self, kind: str, replica_id: str, s: EngineStats):
         """The replica's cost with its draft price factor at the median of its recent reports."""
-        seen = self.prices.get(replica_id)
+        seen = self.prices.get((kind, replica_id))
         if s.cost is None or not seen:
             return s.cost
         recent = [scale for t, scale in seen if t >= seen[-1][0] - PRICE_WINDOW_S]
@@ -155,7 +155,7 @@ class Observer:
             acceptance_samples=tuple(self.samples),
             mean_prompt_tokens=sum(p for p, _ in self.lengths) / n if n else 0.0,
             mean_output_tokens=sum(o for _, o in self.lengths) / n if n else 0.0,
-            cost=self._cost(replica_id, s) if draft_kv > 0 else None)
+            cost=self._cost(kind, replica_id, s) if draft_kv > 0 else None)
 
 
 def _tier_health(replicas: dict) -> dict:

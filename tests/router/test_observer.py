@@ -182,3 +182,10 @@ def test_the_policy_sees_the_draft_price_at_its_recent_median():
     obs.retain("target", [])
     obs.report("a", stats(3.5, 150.0))                  # back after leaving: its new price only
     assert obs.cluster_stats().target.cost.spec_scale == 3.5
+    # Before Serve's first stats broadcast every tier reports as "ready": one tier's prices
+    # never enter another's.
+    obs = Observer()
+    obs.report("ready", stats(1.2, 1.0), "target")
+    obs.report("ready", stats(3.5, 2.0), "small")
+    obs.report("ready", stats(3.5, 3.0), "small")
+    assert obs.cluster_stats().target.cost.spec_scale == 1.2
