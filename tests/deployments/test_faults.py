@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 # A replacement replica must serve within this: a dead rank fails the health check (every 5 s),
 # then Serve starts a new replica, whose ranks spawn and load the models. 30 s was exceeded once
-# on a clean-clone CI run (first success 31.4 s after the kill, 2-core machine in a slow phase).
+# on a clean-clone CI run (the replacement registered 32 s after the kill, 2-core machine in a
+# slow phase).
 RECOVERY_S = 60.0
 PROMPT = "def add(a, b):"
 
