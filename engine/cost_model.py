@@ -191,11 +191,11 @@ class CalibratedCost:
     # of plain decoding at batch 1 (notes/issue10.md): at a steady batch the two terms cannot
     # be told apart, and the fit put the drafting steps' excess on every sequence.
     learn_draft_scale: bool = False
-    # The real engine: per_seq_s from steps in which nobody drafts (a regression of the residual
-    # on the batch size, through the origin), and whatever a drafting step costs beyond that
-    # and the base's prices is the draft's: spec_scale = observed drafting time / the base's, a
-    # forgetful regression through the origin over drafting steps (DRAFT_FORGET), within
-    # CAL_SCALE_RANGE. Measured on reference-py (bf16, 2 threads, batch 32, k = 3): the base
+    # The real engine: spec_scale = the draft rounds' time (timed apart by the engine) / the
+    # base's price for them, a forgetful regression through the origin over drafting steps
+    # (DRAFT_FORGET), within CAL_SCALE_RANGE; per_seq_s from what every decode step costs
+    # beyond that and the base's verify (a regression of the residual on the batch size,
+    # through the origin). Measured on reference-py (bf16, 2 threads, batch 32, k = 3): the base
     # priced the draft rounds at 6.2 ms, they took 8.0 (Python per round and sequence, the
     # catch-up token); charged per sequence instead, that excess priced a 13 ms plain step at
     # 24-56 ms, drafting looked cheap and adaptive k ran at 0.93x of plain decoding.
@@ -215,7 +215,8 @@ class CalibratedCost:
         return self.spec_scale * self.base.draft_s(num_seqs, num_tokens, context_tokens)
 
     def calibrate(self, ks: Sequence[int], context_tokens: int, seconds: float,
-                  could_draft: bool = True) -> None:
+                  could_draft: bool = True, draft_seconds: float | None = None,
+                  verify_seconds: float | None = None) -> None:
         """Learn from one decode step (every sequence fed one token, sequence i drafting ks[i])
         that took `seconds`. Model: seconds = base verify forward + per_seq * n
         + spec_scale * (the base's draft rounds), fitted by recursive least squares
@@ -223,13 +224,36 @@ class CalibratedCost:
         no drafting only per_seq moves. per_seq stays >= 0 (a base that overprices the target
         stays overpriced), spec_scale within CAL_SCALE_RANGE. could_draft: some sequence of
         the step is speculative (draft_excess: only then does a step without drafting pull
-        spec_scale back, see below)."""
+        spec_scale back, see below).
+
+        draft_seconds, verify_seconds (draft_excess; the engine times a step's draft rounds and
+        its verify forward apart): a drafting step then prices the draft at what its rounds
+        took, plus the verify forward's excess over the base on the drafted tokens' share of it
+        (the forward's measured / priced time, applied to what the drafts add to the price);
+        the rest, the time outside both and the excess on the plain share, teaches per_seq_s
+        as a plain step does. Without them, whatever a drafting step costs beyond the prices
+        and per_seq_s is the draft's: under serving that charged the draft with the time the
+        replica's other threads and processes took from the step (the event loop streaming,
+        on cores the proxy and the client share), and an all-speculative load, which has no
+        plain step to learn per_seq_s from, held spec_scale at its ceiling (notes/issue8.md,
+        session 15). Measured in the engine (interleaved, fresh process per batch, adaptive
+        over plain decoding): reference-py batch 1 1.55x against 1.18x untimed, batch 16 1.00x
+        against 0.88x; reference-py-deep batch 16 0.97x against 0.83x. Pricing the draft from
+        its rounds alone (the verify's excess per sequence) drafted where it did not pay
+        (reference-py-deep batch 16: 0.85-0.87x), notes/issue10.md, session 16."""
         n = len(ks)
         if self.draft_excess and any(ks):
             verify = self.base.target_s(n, n + sum(ks), context_tokens)
             drafting = step_s(ks, self.base, context_tokens) - verify
+            timed = draft_seconds is not None and verify_seconds is not None and verify > 0
+            if timed:
+                plain = self.base.target_s(n, n, context_tokens)
+                over = verify_seconds / verify - 1.0       # the verify forward's excess, relative
+                self._learn_per_seq(n, max(0.0, seconds - draft_seconds - verify_seconds
+                                            + over * plain))
             if drafting > 0:
-                observed = max(0.0, seconds - verify - self.per_seq_s * n)
+                observed = (draft_seconds + max(0.0, over * (verify - plain)) if timed
+                            else max(0.0, seconds - verify - self.per_seq_s * n))
                 self._sxy = DRAFT_FORGET * self._sxy + drafting * observed
                 self._scale_n = n if self._scale_n is None else (
                     DRAFT_FORGET * self._scale_n + (1 - DRAFT_FORGET) * n)
@@ -248,10 +272,7 @@ class CalibratedCost:
             # speculative-only load has no later plain step to correct it, and at batch 32 that
             # price left no time for drafting in `observed` above (spec_scale fell to its floor:
             # 1,291 against 1,850 tok/s of plain decoding).
-            residual = max(0.0, seconds - step_s(ks, self.base, context_tokens))
-            self._pxy = CAL_FORGET * self._pxy + n * residual
-            self._pxx = CAL_FORGET * self._pxx + n * n
-            self.per_seq_s = self._pxy / (self._pxx + PER_SEQ_PRIOR)
+            self._learn_per_seq(n, max(0.0, seconds - step_s(ks, self.base, context_tokens)))
             # Speculative sequences at a load other than the one the draft's price was learnt
             # at (under half or over twice that batch), and nobody drafts: the price is not
             # being measured, so it drifts back to the profile's (spec_scale 1). A price learnt
@@ -297,6 +318,14 @@ class CalibratedCost:
         lo, hi = CAL_SCALE_RANGE
         self.per_seq_s = max(0.0, theta[0]) / 1e3
         self.spec_scale = min(hi, max(lo, 1.0 + theta[1]))
+
+    def _learn_per_seq(self, n: int, residual: float) -> None:
+        """draft_excess: one step's time beyond the priced forwards, `residual` seconds at n
+        sequences, into per_seq_s (a forgetful regression through the origin, weighted by n,
+        against a prior of 0; see `calibrate`)."""
+        self._pxy = CAL_FORGET * self._pxy + n * residual
+        self._pxx = CAL_FORGET * self._pxx + n * n
+        self.per_seq_s = self._pxy / (self._pxx + PER_SEQ_PRIOR)
 
     def to_dict(self) -> dict:
         """JSON for reports (`specserve bench engine`); Ray carries the object itself."""

@@ -28,7 +28,7 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
-from engine.spec_decode import StepResult, step
+from engine.spec_decode import StepResult, StepTimes, step
 from models.llama import LlamaForward
 from models.loader import check_compatible, load_model
 
@@ -184,7 +184,7 @@ class LLMEngine:
         catch_up = max((len(it.seq.token_ids) - it.seq.draft_computed for it in items if it.k > 0),
                        default=0)
         try:
-            results = step(items, self.target, self.draft)
+            results, times = step(items, self.target, self.draft)
         except Exception as exc:
             return outputs + self._fail([it.seq for it in items], exc)
         self.metrics.data.num_steps += 1
@@ -203,7 +203,7 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         if catch_up <= CATCH_UP_MAX:
-            self._calibrate(items, time.perf_counter() - start)
+            self._calibrate(items, time.perf_counter() - start, times)
         return outputs
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
@@ -224,20 +224,22 @@ class LLMEngine:
                                          error=message))
         return outputs
 
-    def _calibrate(self, items, seconds: float) -> None:
+    def _calibrate(self, items, seconds: float, times: StepTimes) -> None:
         """Learn what a decode step costs beyond the profiled forwards.
 
         The profile times bare forwards at one context; a real step also schedules, samples,
-        detokenizes and attends over other contexts. `CalibratedCost(draft_excess=True)` puts
-        what plain steps cost beyond the table on every sequence, and what drafting steps cost
-        beyond that on the draft (`engine/cost_model.py` says why not both per sequence).
+        detokenizes and attends over other contexts. `CalibratedCost(draft_excess=True)` prices
+        the draft from its rounds' own time and its tokens' share of the verify forward (both
+        timed apart by `step`) and puts what every step costs beyond that and the table on
+        every sequence (`engine/cost_model.py` says why the draft is not priced per sequence).
         Steps in which a draft caught up on a prompt (a prefill) are not passed here (`step`):
         timed as decode steps, they priced drafting at several times its cost.
         """
         if any(it.num_feed != 1 or it.prefill_align for it in items):   # decode steps only
             return
         self.cost.calibrate([it.k for it in items], sum(len(it.seq.token_ids) for it in items),
-                            seconds, could_draft=any(it.seq.speculative for it in items))
+                            seconds, could_draft=any(it.seq.speculative for it in items),
+                            draft_seconds=times.draft_s, verify_seconds=times.verify_s)
 
     def _apply(self, r: StepResult) -> RequestOutput | None:
         seq, it = r.item.seq, r.item

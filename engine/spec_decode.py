@@ -15,6 +15,7 @@ a count (`num_computed`), since slots past it are simply overwritten later.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,13 @@ from engine.model_runner import ModelRunner
 from engine.rejection_sampler import rejection_sample
 from engine.sampler import RowParams, probabilities, sample, uniforms
 from engine.scheduler import ScheduledSeq
+
+
+@dataclass
+class StepTimes:
+    """Where a step's time went, for the engine's cost calibration (`CalibratedCost.calibrate`)."""
+    draft_s: float = 0.0     # the draft rounds (0 if none ran)
+    verify_s: float = 0.0    # the target's forward
 
 
 @dataclass
@@ -78,21 +86,26 @@ def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy
     return drafted, flat_ids, flat_q
 
 
-def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | None) -> list[StepResult]:
+def step(items: list[ScheduledSeq], target: ModelRunner,
+         draft: ModelRunner | None) -> tuple[list[StepResult], StepTimes]:
+    """The step's results, one per item, and the time its draft rounds and its target forward
+    took (`StepTimes`)."""
     sampling = [it for it in items if it.samples]
     spec = spec_items = [it for it in sampling if it.k > 0]
     greedy = all(it.seq.params.greedy for it in sampling)
     seeds = [coupled_seed(it.seq.params) for it in sampling]    # None: rejection sampling
     rp = RowParams.build([it.seq.params for it in sampling],
                          [it.seq.generator for it in sampling], target.device)
-    drafted, draft_error = {}, None
+    drafted, draft_error, draft_s = {}, None, 0.0
     draft_ids, draft_q = torch.empty(0, dtype=torch.long, device=target.device), None
     if spec:
         spec_rows = [i for i, it in enumerate(sampling) if it.k > 0]
-        try:
+        start = time.perf_counter()
+        try:      # (`propose` ends on the host: its tokens come back as lists, so no sync here)
             lists, draft_ids, draft_q = propose(draft, spec, rp.select(torch.tensor(spec_rows)),
                                                 greedy, [seeds[i] for i in spec_rows])
             drafted = {id(it): d for it, d in zip(spec, lists)}
+            draft_s = time.perf_counter() - start
         except Exception as exc:       # the draft is down: verify these sequences with k = 0
             draft_error = exc
             for it in spec:
@@ -111,8 +124,12 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
             rows += range(len(ids) - it.k - 1, len(ids))
     if not sampling:
         target.run(seqs, ids, pos, [0])
-        return [StepResult(it, 0, []) for it in items]
+        return [StepResult(it, 0, []) for it in items], StepTimes(draft_s)
+    start = time.perf_counter()
     logits = target.run(seqs, ids, pos, rows)                          # [sum(k+1), vocab]
+    if logits.is_cuda:         # timed to the end of the forward (the CPU runs it in the call)
+        torch.cuda.synchronize(logits.device)
+    times = StepTimes(draft_s, time.perf_counter() - start)
 
     # Accept: flat drafts over the sampling sequences (k = 0 for those not speculating).
     # Seeded rows: the target's choice is its coupled sample and the rule is greedy
@@ -133,4 +150,4 @@ def step(items: list[ScheduledSeq], target: ModelRunner, draft: ModelRunner | No
     failed = {id(it) for it in spec_items} if draft_error is not None else set()
     results = {id(it): StepResult(it, a, t, draft_error if id(it) in failed else None)
                for it, a, t in zip(sampling, accepted, emitted)}
-    return [results.get(id(it), StepResult(it, 0, [])) for it in items]
+    return [results.get(id(it), StepResult(it, 0, [])) for it in items], times

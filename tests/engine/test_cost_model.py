@@ -242,10 +242,47 @@ def test_the_engines_calibration_charges_what_only_drafting_steps_cost_to_the_dr
     assert cost.spec_scale <= 4.0
 
 
+def test_a_timed_drafting_step_charges_the_draft_its_rounds_and_its_share_of_the_verify():
+    """With the step's draft rounds and verify forward timed apart (the engine's steps), the
+    draft is priced from them and a fixed cost outside both (under serving: the replica's event
+    loop, the proxy and the client taking the cores) goes on every sequence. Untimed, an
+    all-speculative load, which never runs a plain step, put that cost on the draft: its price
+    sat at the ceiling (notes/issue8.md, session 15)."""
+    from engine.cost_model import CAL_SCALE_RANGE, CalibratedCost, LinearCost, LinearStepCost
+
+    base = LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(1e-4, 1e-6, 1e-7))
+    ctx, ks, n, outside = 300, [3, 3, 2, 3], 4, 6e-3          # 6 ms a step outside the forwards
+    verify, plain = base.target_s(n, n + sum(ks), ctx), base.target_s(n, n, ctx)
+    drafting = step_s(ks, base, ctx) - verify
+    rounds = 1.2 * drafting                                    # the rounds: 1.2x their price
+    verify_run = 1.5 * verify                                  # the forward: 1.5x its price
+    seconds = rounds + verify_run + outside
+    untimed, timed = CalibratedCost(base, draft_excess=True), CalibratedCost(base, draft_excess=True)
+    for _ in range(200):
+        untimed.calibrate(ks, ctx, seconds)
+        timed.calibrate(ks, ctx, seconds, draft_seconds=rounds, verify_seconds=verify_run)
+    assert untimed.spec_scale == CAL_SCALE_RANGE[1] and untimed.per_seq_s == 0.0   # the defect
+    # the draft: its rounds, and the forward's excess (0.5x) on what its tokens add to the price
+    assert timed.spec_scale == pytest.approx((rounds + 0.5 * (verify - plain)) / drafting, rel=1e-6)
+    # per sequence: the time outside the forwards and the excess on the plain share, through
+    # the prior (PER_SEQ_PRIOR shrinks it by pxx / (pxx + prior): ~4% at batch 4)
+    assert timed.per_seq_s == pytest.approx((outside + 0.5 * plain) / n, rel=0.05)
+    # the step as priced is the step as run
+    assert step_s(ks, timed, ctx) == pytest.approx(seconds, rel=0.05)
+    # a forward no dearer than its price charges the draft its rounds alone
+    cost = CalibratedCost(base, draft_excess=True)
+    for _ in range(50):
+        cost.calibrate(ks, ctx, rounds + 0.9 * verify + outside, draft_seconds=rounds,
+                       verify_seconds=0.9 * verify)
+    assert cost.spec_scale == pytest.approx(1.2, rel=1e-6)
+
+
+
 def test_the_engine_does_not_calibrate_on_a_step_in_which_the_draft_prefills(make_engine):
     """The first drafting step of a sequence catches the draft up on the whole prompt; timed
     as a decode step, that prefill would be priced as drafting overhead on every later step.
-    Every calibrated step says whether a speculative sequence was in it (could_draft)."""
+    Every calibrated step says whether a speculative sequence was in it (could_draft), and
+    hands over its draft rounds' and verify forward's times, parts of the step's."""
     from engine.sampling_params import RequestOptions, SamplingParams
 
     engine = make_engine(adaptive_k=False)             # k = 3 on every decode step
@@ -255,6 +292,8 @@ def test_the_engine_does_not_calibrate_on_a_step_in_which_the_draft_prefills(mak
 
     def record(ks, ctx, secs, **kw):
         seen.append((list(ks), kw["could_draft"]))
+        drafted, verified = kw["draft_seconds"], kw["verify_seconds"]
+        assert (drafted > 0) == any(ks) and verified > 0 and drafted + verified < secs
         calibrate(ks, ctx, secs, **kw)
 
     engine.cost.calibrate = record
