@@ -191,10 +191,11 @@ class CalibratedCost:
     # of plain decoding at batch 1 (notes/issue10.md): at a steady batch the two terms cannot
     # be told apart, and the fit put the drafting steps' excess on every sequence.
     learn_draft_scale: bool = False
-    # The real engine: spec_scale = the draft rounds' time (timed apart by the engine) / the
-    # base's price for them, a forgetful regression through the origin over drafting steps
+    # The real engine: spec_scale = what drafting took (its rounds and its tokens' share of
+    # the verify forward's excess, timed apart by the engine; see `calibrate`) / the base's
+    # price for the rounds, a forgetful regression through the origin over drafting steps
     # (DRAFT_FORGET), within CAL_SCALE_RANGE; per_seq_s from what every decode step costs
-    # beyond that and the base's verify (a regression of the residual on the batch size,
+    # beyond that and the base's prices (a regression of the residual on the batch size,
     # through the origin). Measured on reference-py (bf16, 2 threads, batch 32, k = 3): the base
     # priced the draft rounds at 6.2 ms, they took 8.0 (Python per round and sequence, the
     # catch-up token); charged per sequence instead, that excess priced a 13 ms plain step at
