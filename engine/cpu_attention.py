@@ -59,7 +59,8 @@ def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
     batch 32, 224 keys). The flatten before the sum over blocks fixes that buffer's layout: left
     to choose, inductor put heads outside blocks, so that with the values in DRAM (twelve layers'
     KV outgrow the cache at batch 16-32) each block was fetched two cache lines of every ten-line
-    row at a time, once per head and lane group (0.90-0.97x the time with the flatten, same bits).
+    row at a time, once per head and lane group (0.89-0.98x the time with the flatten at one query,
+    ~1.0x at five; same bits).
     Scores stay keys innermost: computed in the pool's row order they read the keys faster
     (0.85-0.9x), but then inductor vectorises the softmax's sum over heads for one query and over
     keys for several, and a verified token no longer gets the bits its decode gets. Softmax is

@@ -257,7 +257,8 @@ def test_a_timed_drafting_step_charges_the_draft_its_rounds_and_its_share_of_the
     rounds = 1.2 * drafting                                    # the rounds: 1.2x their price
     verify_run = 1.5 * verify                                  # the forward: 1.5x its price
     seconds = rounds + verify_run + outside
-    untimed, timed = CalibratedCost(base, draft_excess=True), CalibratedCost(base, draft_excess=True)
+    untimed = CalibratedCost(base, draft_excess=True)
+    timed = CalibratedCost(base, draft_excess=True)
     for _ in range(200):
         untimed.calibrate(ks, ctx, seconds)
         timed.calibrate(ks, ctx, seconds, draft_seconds=rounds, verify_seconds=verify_run)
