@@ -239,9 +239,12 @@ class CalibratedCost:
         plain step to learn per_seq_s from, held spec_scale at its ceiling (notes/issue8.md,
         session 15). Measured in the engine (interleaved, fresh process per batch, adaptive
         over plain decoding): reference-py batch 1 1.55x against 1.18x untimed, batch 16 1.00x
-        against 0.88x; reference-py-deep batch 16 0.97x against 0.83x. Pricing the draft from
-        its rounds alone (the verify's excess per sequence) drafted where it did not pay
-        (reference-py-deep batch 16: 0.85-0.87x), notes/issue10.md, session 16."""
+        against 0.88x; reference-py-deep batch 16 0.97x against 0.83x in that run, but 0.85x
+        against 0.92x in a later one, and 3 of 4 such A/Bs there favoured the untimed price: the
+        split reads most of the drafted tokens' excess in the verify as the plain share's
+        (notes/issue10.md, session 16, with the fix it points to). Pricing the draft from its
+        rounds alone (the verify's excess per sequence) drafted where it did not pay
+        (reference-py-deep batch 16: 0.85-0.87x)."""
         n = len(ks)
         if self.draft_excess and any(ks):
             verify = self.base.target_s(n, n + sum(ks), context_tokens)
