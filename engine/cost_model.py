@@ -242,9 +242,8 @@ class CalibratedCost:
         against 0.88x; reference-py-deep batch 16 0.97x against 0.83x in that run, but 0.85x
         against 0.92x in a later one: the split reads most of the drafted tokens' excess in the
         verify as the plain share's (notes/issue10.md, session 16, with the fix it points to).
-        Pricing the draft from its
-        rounds alone (the verify's excess per sequence) drafted where it did not pay
-        (reference-py-deep batch 16: 0.85-0.87x)."""
+        Pricing the draft from its rounds alone (the verify's excess per sequence) drafted
+        where it did not pay (reference-py-deep batch 16: 0.85-0.87x)."""
         n = len(ks)
         if self.draft_excess and any(ks):
             verify = self.base.target_s(n, n + sum(ks), context_tokens)
