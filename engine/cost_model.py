@@ -241,7 +241,9 @@ class CalibratedCost:
         over plain decoding): reference-py batch 1 1.55x against 1.18x untimed, batch 16 1.00x
         against 0.88x; reference-py-deep batch 16 0.97x against 0.83x in that run, but 0.85x
         against 0.92x in a later one: the split reads most of the drafted tokens' excess in the
-        verify as the plain share's (notes/issue10.md, session 16, with the fix it points to).
+        verify as the plain share's (notes/issue10.md, session 16). Reading the plain share
+        from timed plain steps instead did worse there on another machine (0.985x against
+        1.03x, and a noisier price) and was not kept (session 17).
         Pricing the draft from its rounds alone (the verify's excess per sequence) drafted
         where it did not pay (reference-py-deep batch 16: 0.85-0.87x)."""
         n = len(ks)
