@@ -88,6 +88,7 @@ class _Kernel:
         self._fn = None
         self._lock = threading.Lock()
         self.failed: str | None = None
+        self._marked: set[tuple] = set()     # shape classes already compiled with symbolic dims
 
     def enabled(self) -> bool:
         return self.failed is None
@@ -108,15 +109,43 @@ class _Kernel:
                         limit = getattr(self._dynamo.config, "recompile_limit", 8)
                         self._dynamo.config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
                         self._fn = torch.compile(_paged, dynamic=False, fullgraph=True)
-            for t, dims in zip((q, k_cache, v_cache, blocks, mask), _DYNAMIC):
-                for dim in dims:
-                    self._dynamo.maybe_mark_dynamic(t, dim)
+                        self._entries = _cache_entries()
+            # The symbolic dims need marking only for the call that compiles a shape class (the
+            # model's static dims and dtypes, which of the sequences and query tokens is 1, as
+            # torch.compile specialises a size of 1, and the grad mode it guards on); later
+            # calls of the class meet a graph whose guards take any size. Marking every call
+            # cost ~45 us of a ~120-220 us call (one sequence, two blocks, 2 threads): ~0.5 ms
+            # of a 12-layer forward. A reset of torch._dynamo (tests do it) drops the graphs:
+            # then the classes are forgotten too, or they would compile again with static sizes,
+            # once per new size, until the recompile limit disables the kernel (which is what
+            # happened before this check: 1.6 us a call).
+            if self._marked and self._entries is not None and not self._entries(_paged.__code__):
+                self._marked.clear()
+            key = (q.dtype, k_cache.dtype, q.shape[2:], k_cache.shape[1:], q.shape[0] == 1,
+                   q.shape[1] == 1, q.is_contiguous(), torch.is_grad_enabled(),
+                   torch.is_inference_mode_enabled())
+            if key not in self._marked or self._entries is None:
+                for t, dims in zip((q, k_cache, v_cache, blocks, mask), _DYNAMIC):
+                    for dim in dims:
+                        self._dynamo.maybe_mark_dynamic(t, dim)
+                out = self._fn(q, k_cache, v_cache, blocks, mask, scale)
+                self._marked.add(key)
+                return out
             return self._fn(q, k_cache, v_cache, blocks, mask, scale)
         except Exception as e:                           # no compiler, unsupported platform
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log.warning("fused CPU paged attention unavailable (%s); using gather + SDPA",
                         self.failed)
             return None
+
+
+def _cache_entries():
+    """torch's list of the graphs dynamo holds for a code object, or None where this torch has
+    no such function (then every call marks its dims, as before)."""
+    try:
+        return importlib.import_module("torch._C._dynamo.eval_frame")._debug_get_cache_entry_list
+    except (ImportError, AttributeError):
+        return None
 
 
 paged_attention = _Kernel()
