@@ -174,6 +174,68 @@ def test_a_reset_of_dynamo_leaves_the_kernel_compiling_once_a_shape_class():
     assert paged_attention.failed is None
 
 
+def _kernel_inputs(b, nq, nb, pool, dtype=torch.float32, layout=(2, 0)):
+    """Kernel inputs over a pool laid out [blocks, K/V, chunk, tokens, kv heads, d] (layout
+    (2, 0): the engine's) or with the planes between tokens and heads ((2, 1): other strides)."""
+    planes, where = layout
+    shape = [pool, planes, 1, 4, KV_HEADS, D] if where == 0 else [pool, 1, 4, planes, KV_HEADS, D]
+    big = torch.randn(shape).to(dtype)
+    k, v = (big[:, 0], big[:, 1]) if where == 0 else (big[:, :, :, 0], big[:, :, :, 1])
+    q = torch.randn(b, nq, KV_HEADS, HEADS // KV_HEADS, D).to(dtype)
+    blocks = torch.randint(0, pool, (b, nb))
+    mask = torch.rand(b, nq, nb * 4) < 0.7
+    mask[..., 0] = True
+    return q, k, v, blocks, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_calls_its_graphs_directly_with_the_same_bits(dtype):
+    """After a shape class compiles, its graph is called without dynamo (~130 us a call less):
+    every size of the class, one sequence or several, one query or several, one block or
+    several, gets the bits dynamo's call of the same graph gives."""
+    from engine.cpu_attention import _paged
+    for b, nq, nb in [(1, 1, 2), (1, 1, 5), (1, 1, 1), (4, 1, 3), (7, 1, 6), (3, 4, 2),
+                      (5, 3, 7), (1, 5, 4), (2, 1, 1)]:
+        inputs = _kernel_inputs(b, nq, nb, 64, dtype)
+        paged_attention(*inputs, D ** -0.5)
+        calls = paged_attention.direct_calls
+        out = paged_attention(*inputs, D ** -0.5)
+        assert paged_attention.direct_calls == calls + 1, (b, nq, nb)
+        assert torch.equal(out, paged_attention._fn(*inputs, D ** -0.5)), (b, nq, nb)
+        ref = _paged(*inputs, D ** -0.5)
+        assert torch.allclose(out.float(), ref.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    # The engine's pool: the runner compiles on layer 0 (at storage offset 0); every other
+    # layer, elsewhere in the pool, is called directly too (they were not, at first).
+    pool = BlockPool(2 << 20, (3, KV_HEADS, D), 4, dtype, "cpu", (1, 1, D))
+    for layers in (pool.layers(pool.target), pool.layers(pool.draft)):
+        for k, v in layers:
+            k.normal_(), v.normal_()
+        q = torch.randn(3, 1, KV_HEADS, HEADS // KV_HEADS, D).to(dtype)
+        blocks = torch.randint(0, pool.num_blocks, (3, 5))
+        mask = torch.ones(3, 1, 5 * layers[0][0].shape[1] * layers[0][0].shape[2], dtype=torch.bool)
+        paged_attention(q, *layers[0], blocks, mask, D ** -0.5)
+        calls = paged_attention.direct_calls
+        for k, v in layers:
+            out = paged_attention(q, k, v, blocks, mask, D ** -0.5)
+            assert torch.equal(out, paged_attention._fn(q, k, v, blocks, mask, D ** -0.5))
+        assert paged_attention.direct_calls == calls + len(layers)
+    assert paged_attention.failed is None and paged_attention.dropped == 0
+
+
+def test_direct_calls_take_only_what_the_graph_was_compiled_for():
+    """The direct call checks what dynamo's guards would: a pool of other strides in a class
+    already compiled (same sizes and dtypes) and more blocks than the graph's guards allow
+    (inductor bounds the keys: 4,096 here) both go through dynamo, and the output stays right."""
+    from engine.cpu_attention import _paged
+    paged_attention(*_kernel_inputs(3, 1, 2, 64), D ** -0.5)
+    for inputs in (_kernel_inputs(3, 1, 4, 64, layout=(2, 1)), _kernel_inputs(2, 1, 1100, 1200)):
+        calls = paged_attention.direct_calls
+        out = paged_attention(*inputs, D ** -0.5)
+        assert paged_attention.direct_calls == calls
+        assert torch.allclose(out, _paged(*inputs, D ** -0.5), atol=1e-5)
+    assert paged_attention.dropped == 0 and paged_attention.failed is None
+
+
 # (heads, kv heads, head size, target layers, draft (layers, kv heads, head size), block size,
 # sequences, longest context): a toy shape; reference-py's target (5 heads of 64, 12 layers,
 # 16-token blocks) and reference-py-deep's (16 layers beside a 1-layer draft: 48 tokens a block)
