@@ -206,8 +206,8 @@ class _Kernel:
             # cost ~45 us of a ~120-220 us call (one sequence, two blocks, 2 threads): ~0.5 ms
             # of a 12-layer forward. A reset of torch._dynamo (tests do it) drops the graphs:
             # then the classes are forgotten too, or they would compile again with static sizes,
-            # once per new size, until the recompile limit disables the kernel (which is what
-            # happened before this check: 1.6 us a call).
+            # once per new size, up to the recompile limit, which disables the kernel (the
+            # likely cause of session 17's three red tests). Asking dynamo costs 1.6 us a call.
             if self._marked and self._entries is not None and not self._entries(_paged.__code__):
                 self._marked.clear()
                 self._direct.clear()
@@ -234,7 +234,7 @@ class _Kernel:
             # too, up to a few a class. Where it compiles none (its guards took the inputs,
             # which the direct calls' did not), or a graph was not kept, the class goes through
             # dynamo from then on for what its graphs do not take.
-            if key not in self._marked or self._entries is None or key not in self._closed:
+            if key not in self._closed or self._entries is None:
                 for t, dims in zip((q, k_cache, v_cache, blocks, mask), _DYNAMIC):
                     for dim in dims:
                         self._dynamo.maybe_mark_dynamic(t, dim)
