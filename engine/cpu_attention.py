@@ -149,7 +149,7 @@ class _Direct:
                f"    return [{', '.join(args)}]\n")
         scope = dict(SYMPY_INTERP)
         exec(compile(src, "<paged attention guards>", "exec"), scope)
-        self.source, self._inputs, self._fn = src, scope["inputs"], compiled
+        self._inputs, self._fn = scope["inputs"], compiled
 
     def __call__(self, tensors) -> torch.Tensor | None:
         vals = self._inputs(*tensors)
