@@ -1,0 +1,57 @@
+"""The step-cost profile (`engine/profiler.py`): a slow spell of the machine must not price one
+point of the grid, and more work never prices lower."""
+
+import time
+
+from engine.profiler import REPEATS, WARMUP, _isotonic, _monotone, _time_runner
+
+SPELL_S = 0.05          # another tenant's slow spell: this much on each forward it touches
+
+
+class _SlowSpell:
+    """The engine's own target runner, each forward from call `start` to `start + length`
+    taking SPELL_S longer (as a neighbour on the host would make it)."""
+
+    def __init__(self, runner, start: int, length: int):
+        self.runner, self.start, self.length, self.calls = runner, start, length, 0
+        self.device = runner.device
+
+    def run(self, *args):
+        self.calls += 1
+        if self.start <= self.calls < self.start + self.length:
+            time.sleep(SPELL_S)
+        return self.runner.run(*args)
+
+
+def test_a_slow_spell_prices_no_point_of_the_grid(make_engine):
+    """Timed point after point (the code before session 19), a spell as long as two points'
+    runs lifted those two points by the whole spell (red: their medians ~SPELL_S); timed in
+    passes over the grid it touches each point once or twice among WARMUP + REPEATS runs, and
+    the medians keep the true forward times."""
+    engine = make_engine(profile=False)
+    grid = [(n, q) for n in (1, 2, 4) for q in (1, 2, 3)]
+    runs = WARMUP + REPEATS
+    slow = _SlowSpell(engine.target, start=2 + runs, length=2 * runs)   # after the fill forward
+    samples = _time_runner(slow, engine.pool, "target", engine.pool.target.tokens_per_block, grid)
+    assert slow.calls == 1 + runs * len(grid)
+    assert len(samples) == len(grid)
+    assert engine.pool.num_free == engine.pool.num_blocks             # every block given back
+    assert max(s for *_, s in samples) < SPELL_S / 2, samples
+
+
+def test_the_table_is_monotone_in_tokens_and_in_sequences():
+    noisy = {(1, 1): 2.0, (1, 2): 1.6, (1, 3): 2.4, (2, 1): 1.9, (2, 2): 3.0, (2, 3): 2.9,
+             (4, 1): 3.5, (4, 2): 3.4, (4, 3): 5.0}
+    out = _monotone(noisy)
+    for n in (1, 2, 4):
+        line = [out[(n, q)] for q in (1, 2, 3)]
+        assert line == sorted(line), (n, line)
+    for q in (1, 2, 3):
+        line = [out[(n, q)] for n in (1, 2, 4)]
+        assert line == sorted(line), (q, line)
+    # points already in order keep their values
+    assert out[(4, 3)] == 5.0 and out[(2, 2)] >= 2.9
+    # pool adjacent violators: a least-squares fit, means of the pooled runs
+    assert _isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert _isotonic([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert _isotonic([]) == []
