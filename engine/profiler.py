@@ -67,7 +67,7 @@ def _time_runner(runner, pool, owner: str, tpb: int, grid) -> list[tuple[int, in
     timed ones), and each point keeps its median: a slow spell of a shared machine then
     touches every point alike instead of the few timed during it. Timed point after point,
     three profiles of reference-py at batch 16 (2 threads) priced one extra query token a
-    sequence at +60%, +22% and +30% of a decode forward (it costs +15-25% in the engine's own
+    sequence at +60%, +22% and +30% of a decode forward (it costs +15-30% in the engine's own
     steps), and adaptive k read drafting as dearer or cheaper than it was from one start to
     the next. The medians are then made monotone (`_monotone`)."""
     samples = []
