@@ -104,11 +104,14 @@ def _monotone(medians: dict[tuple[int, int], float]) -> dict[tuple[int, int], fl
     work never prices lower. A point that read slow and its lower neighbour are replaced by
     their mean, so a noisy point no longer makes one extra token free (or dear)."""
     out = dict(medians)
-    for outer, inner in ((0, 1), (1, 0)) * 3:      # each pass can undo a little of the other
-        for key in sorted({p[outer] for p in out}):
-            line = sorted((p for p in out if p[outer] == key), key=lambda p: p[inner])
+    lines = [sorted((p for p in out if p[outer] == key), key=lambda p: p[inner])
+             for outer, inner in ((0, 1), (1, 0)) for key in sorted({p[outer] for p in out})]
+    for _ in range(100):     # each direction's fit can undo a little of the other's: alternate
+        for line in lines:   # until both hold (a few rounds on a profile's grid)
             for p, v in zip(line, _isotonic([out[p] for p in line])):
                 out[p] = v
+        if all(out[a] <= out[b] * (1 + 1e-9) for line in lines for a, b in zip(line, line[1:])):
+            break
     return out
 
 
