@@ -123,7 +123,7 @@ COMMITTED_DIR = Path(__file__).resolve().parents[1] / "demo-family"
 def build_dir() -> Path:
     """Where `build-demo` writes by default: `$SPECSERVE_DEMO_DIR`, else the user's cache
     (never the committed family, which only a deliberate `--out demo-family` replaces)."""
-    return Path(os.environ.get("SPECSERVE_DEMO_DIR") or "~/.cache/specserve/demo-family").expanduser()
+    return Path(os.environ.get("SPECSERVE_DEMO_DIR") or "~/.cache/specserve/demo-family").expanduser().resolve()
 
 
 def default_demo_dir() -> Path:

@@ -248,7 +248,9 @@ def default_demo_dir() -> Path:
         committed = Path(__file__).resolve().parents[1] / "demo-family"
         if (committed / "family.json").is_file():
             return committed
-    return Path(os.environ.get("SPECSERVE_DEMO_DIR") or "~/.cache/specserve/demo-family").expanduser()
+    # resolved here, from the working directory: substituted into a YAML, a relative path
+    # would be taken from the config file's folder (`resolve_paths`) and name another folder
+    return Path(os.environ.get("SPECSERVE_DEMO_DIR") or "~/.cache/specserve/demo-family").expanduser().resolve()
 
 
 def read_yaml(path: str | Path, demo_dir: str | Path | None = None) -> dict:

@@ -29,6 +29,20 @@ def test_local_yaml_loads_with_the_demo_family(tmp_path):
     assert cfg.auth.keys_file and os.path.isabs(cfg.auth.keys_file)
 
 
+def test_relative_demo_dir_is_taken_from_the_working_directory(tmp_path, monkeypatch):
+    """The README's `SPECSERVE_DEMO_DIR=../shared/models/reference-py specserve up --config
+    cluster/configs/bench-http.yaml`: the folder was resolved from the config's folder, so the
+    replicas looked for cluster/shared/models/... and every tier failed to load."""
+    from models.demo import default_demo_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPECSERVE_DEMO_DIR", "family")
+    here = tmp_path.resolve() / "family"
+    assert default_demo_dir() == here
+    cfg = load_config(CONFIGS / "bench-http.yaml")
+    assert cfg.target.model == str(here / "target") and cfg.small.model == str(here / "small")
+
+
 def test_llama2_70b_yaml_loads():
     cfg = load_config(CONFIGS / "llama2-70b-4xa100.yaml")
     assert cfg.target.tp_size == 4 and cfg.target.num_gpus_per_rank == 1
