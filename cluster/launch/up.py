@@ -86,7 +86,8 @@ def _launcher(path: str, args) -> dict:
             "http_host": launcher.get("http_host", "127.0.0.1"),
             "http_port": args.port or launcher.get("http_port", 8000),
             "dashboard_port": launcher.get("dashboard_port", 8265),
-            "metrics_port": launcher.get("metrics_port")}
+            "metrics_port": launcher.get("metrics_port"),
+            "direct_ingress_port": launcher.get("direct_ingress_port")}
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -135,10 +136,12 @@ def _check(url: str, key: str, model: str) -> bool:
 
 def _print_banner(local, cfg, key: str) -> None:
     api = local.api_url
+    direct = (f"  API, direct ingress      {local.direct_url}/v1   (the same API, one hop fewer)\n"
+              if local.direct_url else "")
     print(f"""
 specserve is up.
   API (OpenAI-compatible)  {api}/v1   (also /premium/v1, /standard/v1, /economy/v1)
-  metrics (Prometheus)     {local.metrics_url}
+{direct}  metrics (Prometheus)     {local.metrics_url}
   Ray dashboard            {local.dashboard_url or 'off'}   (log in with the token in {local.token_path})
   API key for this run     {key}   (plan: auto; make lasting ones with `specserve keys add`)
 
@@ -172,6 +175,12 @@ def run(args) -> int:
     if not _port_free(launcher["http_host"], launcher["http_port"]):
         print(f"specserve up: port {launcher['http_port']} is in use; pass --port", file=sys.stderr)
         return 2
+    direct = launcher["direct_ingress_port"]
+    if direct is not None and (direct == launcher["http_port"]
+                               or not _port_free(launcher["http_host"], direct)):
+        print(f"specserve up: launcher.direct_ingress_port {direct} is in use or equals the "
+              f"HTTP port", file=sys.stderr)
+        return 2
     if launcher["metrics_port"] and not _port_free("127.0.0.1", launcher["metrics_port"]):
         launcher["metrics_port"] = None          # any free port (printed below)
 
@@ -180,7 +189,8 @@ def run(args) -> int:
     local = ray_local.start(num_cpus=launcher["num_cpus"], num_gpus=launcher["num_gpus"],
                             http_host=launcher["http_host"], http_port=launcher["http_port"],
                             metrics_port=launcher["metrics_port"], dashboard=not args.no_dashboard,
-                            dashboard_port=launcher["dashboard_port"])
+                            dashboard_port=launcher["dashboard_port"],
+                            direct_ingress_port=direct)
     stop.install()
     try:
         from ray import serve

@@ -28,6 +28,7 @@ class ServedApp:
     keys: dict[str, str] = field(default_factory=dict)     # plan -> API key
     admin_key: str = ""
     ledger_url: str = ""
+    direct_url: str | None = None          # the ingress replica's own server (direct ingress)
 
     def client(self, plan: str = "auto", timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout,
@@ -59,7 +60,8 @@ def app_config(family: dict, keys: list, **overrides) -> dict:
 
 
 @contextlib.contextmanager
-def served_app(tmp_path, family: dict, num_cpus: int = 4, **overrides):
+def served_app(tmp_path, family: dict, num_cpus: int = 4, direct_ingress: bool = False,
+               **overrides):
     """Start Ray (token auth on), deploy the app, wait until every tier reports stats."""
     from ray import serve
 
@@ -78,12 +80,13 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, **overrides):
     auth = {"keys": inline, "admin_keys": [hash_key(admin_key)], "refresh_s": 0.5}
     overrides["auth"] = {**auth, **overrides.get("auth", {})}
     local = ray_local.start(num_cpus=num_cpus, http_port=free_port(), dashboard=False,
-                            token_path=tmp_path / "ray_token")
+                            token_path=tmp_path / "ray_token",
+                            direct_ingress_port=free_port() if direct_ingress else None)
     try:
         serve.run(build_app(app_config(family, inline, **overrides)), name=APP_NAME,
                   route_prefix="/")
         app = ServedApp(local.api_url, local.metrics_url, keys, admin_key,
-                        overrides["ledger"].get("url", ""))
+                        overrides["ledger"].get("url", ""), local.direct_url)
         deadline = time.time() + 120
         while time.time() < deadline:
             if httpx.get(app.url + "/health", timeout=10).status_code == 200:

@@ -1,0 +1,81 @@
+"""Direct ingress (`launcher.direct_ingress_port`): the ingress replica serves the same API on
+its own port, beside Serve's proxy, and the Ray Serve flags it needs are set only for the
+cluster that asked and restored when it stops (a later cluster in the same process, a test
+module, must not inherit them)."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from cluster.launch import ray_local
+from serving_helpers import MODEL, served_app, sse_events
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+FLAGS = tuple(ray_local.direct_ingress_env(1))
+
+
+@pytest.fixture(scope="module")
+def app(tiny_family, module_tmp):
+    before = {name: os.environ.get(name) for name in FLAGS}
+    with served_app(module_tmp, tiny_family, direct_ingress=True) as served:
+        yield served
+    # stop() put the environment back as it found it
+    assert {name: os.environ.get(name) for name in FLAGS} == before
+
+
+def _post(url: str, key: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+def test_direct_port_is_its_own_server(app):
+    assert app.direct_url and app.direct_url != app.url
+    assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert httpx.get(app.direct_url + "/health", timeout=30).status_code == 200
+
+
+def test_same_greedy_text_through_both_ports(app):
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}
+    key = app.keys["standard"]
+    via_proxy, direct = _post(app.url, key, body), _post(app.direct_url, key, body)
+    assert via_proxy.status_code == direct.status_code == 200, direct.text
+    assert direct.json()["choices"][0]["text"] == via_proxy.json()["choices"][0]["text"]
+    assert direct.json()["usage"]["completion_tokens"] == 12
+
+
+def test_direct_port_streams_and_prices(app):
+    body = {"model": MODEL, "prompt": "x = 1\n", "max_tokens": 8, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", app.direct_url + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {app.keys['auto']}"}) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 8 and usage["price_usd"] > 0
+
+
+def test_direct_port_keeps_the_api_errors(app):
+    missing_key = httpx.post(app.direct_url + "/v1/completions", timeout=60,
+                             json={"model": MODEL, "prompt": "a", "max_tokens": 2})
+    assert missing_key.status_code == 401
+    assert missing_key.json()["error"]["type"] == "authentication_error"
+    bad = _post(app.direct_url, app.keys["auto"], {"model": MODEL, "prompt": "a",
+                                                   "max_tokens": -3})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_env_for_one_port():
+    env = ray_local.direct_ingress_env(8123)
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8124"     # range [min, max)
+    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+
+
+def test_same_port_as_the_proxy_is_refused():
+    with pytest.raises(ValueError, match="differ"):
+        ray_local.start(num_cpus=2, http_port=8555, direct_ingress_port=8555)
