@@ -18,7 +18,8 @@ Ray starts and restored by `stop`). The proxy keeps serving `http_port` beside i
 range is that one port (the app has one ingress replica) and its quarantine is 0: the
 quarantine keeps a freed port from HAProxy, which specserve does not run, and would keep a
 restarted ingress off its port for minutes. Measured on 2 cores (notes/issue10.md, session
-20): a streamed completion's first token 56-62 ms direct against 58-77 ms through the proxy.
+20): a streamed completion's first token 51-56 ms direct against 55-62 ms through the proxy
+(one stream, `bench-http.yaml`; under load inside the noise).
 """
 
 from __future__ import annotations

@@ -176,10 +176,11 @@ def run(args) -> int:
         print(f"specserve up: port {launcher['http_port']} is in use; pass --port", file=sys.stderr)
         return 2
     direct = launcher["direct_ingress_port"]
-    if direct is not None and (direct == launcher["http_port"]
+    if direct is not None and (not isinstance(direct, int) or isinstance(direct, bool)
+                               or not 0 < direct < 65536 or direct == launcher["http_port"]
                                or not _port_free(launcher["http_host"], direct)):
-        print(f"specserve up: launcher.direct_ingress_port {direct} is in use or equals the "
-              f"HTTP port", file=sys.stderr)
+        print(f"specserve up: launcher.direct_ingress_port {direct!r} must be a free port "
+              f"(1-65535) other than the HTTP port", file=sys.stderr)
         return 2
     if launcher["metrics_port"] and not _port_free("127.0.0.1", launcher["metrics_port"]):
         launcher["metrics_port"] = None          # any free port (printed below)

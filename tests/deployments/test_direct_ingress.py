@@ -79,3 +79,4 @@ def test_env_for_one_port():
 def test_same_port_as_the_proxy_is_refused():
     with pytest.raises(ValueError, match="differ"):
         ray_local.start(num_cpus=2, http_port=8555, direct_ingress_port=8555)
+

@@ -1,0 +1,28 @@
+"""`specserve up` checks its launcher section before it starts anything (no Ray here: a test
+module with a cluster of its own would make `ray.is_initialized()` say nothing)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize("port", ["eight", -1, 70000, True])
+def test_up_refuses_a_bad_direct_port_before_starting_ray(tiny_family, tmp_path, port, capsys):
+    """A typo in launcher.direct_ingress_port is the user's error (exit 2, one line), never a
+    traceback and never a cluster started half-way."""
+    import argparse
+
+    import ray
+    import yaml
+
+    from cluster.launch import up
+
+    path = tmp_path / "up.yaml"
+    path.write_text(yaml.safe_dump({
+        "launcher": {"http_port": 8555, "direct_ingress_port": port},
+        "app": {"model_name": "tiny", "target": {"model": str(tiny_family["target"])}}}))
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    assert up.run(parser.parse_args(["--config", str(path)])) == 2
+    assert "direct_ingress_port" in capsys.readouterr().err
+    assert not ray.is_initialized()
