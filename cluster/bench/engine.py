@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (speculative output checked equal to the baseline's); above 0 "
+                        "every request samples (the OpenAI API's default is 1), vLLM's too")
     p.add_argument("--k-max", type=int, default=6, help="largest fixed k tried; adaptive's k_max")
     p.add_argument("--batches", default="1,4,16,32")
     p.add_argument("--sweep-only", action="store_true",
@@ -103,7 +106,8 @@ class Bench:
 
         e = self.engine
         e.config.adaptive_k = adaptive
-        params = SamplingParams(temperature=0.0, max_tokens=self.args.new_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=self.args.temperature, max_tokens=self.args.new_tokens,
+                                ignore_eos=True)
         before = e.snapshot()
         start = time.perf_counter()
         for i, p in enumerate(prompts):
@@ -157,6 +161,9 @@ def run(args) -> int:
     torch.set_num_threads(threads)
     if args.quick:
         args.prompts, args.new_tokens, args.batches = 2, 32, "1,4"
+    if args.temperature < 0 or (args.temperature > 0 and not args.sweep_only):
+        raise SystemExit("--temperature: 0 (greedy) or, with --sweep-only, above 0 (the full run "
+                         "compares with transformers' greedy generate)")
     b = Bench(args)
     prompts = _prompts(b.tok, Path(args.family), max(args.prompts, 32), args.prompt_tokens)
     single = prompts[:args.prompts]
@@ -210,7 +217,7 @@ def run(args) -> int:
     result = {"family": str(args.family), "settings": {
         "new_tokens": args.new_tokens, "prompts": len(single), "prompt_tokens": args.prompt_tokens,
         "k_max": args.k_max, "threads": threads, "device": args.device, "dtype": args.dtype,
-        "greedy": True}, "machine": {"cpu": platform.processor() or platform.machine(),
+        "greedy": args.temperature == 0, "temperature": args.temperature}, "machine": {"cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
         "cost_model": b.engine.cost.to_dict(), "single_stream": single_stream, "batch_sweep": sweep}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -239,13 +246,13 @@ def _sweep_batch(args, b: Bench, prompts, batch: int, peer) -> dict:
     """One batch size: our baseline and adaptive runs (and the peer's) in turn, each repeat."""
     ps = [prompts[i % len(prompts)] for i in range(batch)]
     runs = {"baseline": [], "adaptive": []}
-    identical, accs = True, []
+    identical, accs = args.temperature == 0, []   # sampled runs: None, nothing to compare
     for _ in range(max(1, args.repeats)):         # interleaved, so noise hits all alike
         base, base_tokens, _ = b.engine_run(ps, "baseline", 0, False)
         adaptive, tokens, acc = b.engine_run(ps, "speculative", args.k_max, True)
         runs["baseline"].append(base)
         runs["adaptive"].append(adaptive)
-        identical &= tokens == base_tokens
+        identical = identical and tokens == base_tokens
         accs.append(acc)
         if peer is not None:
             peer.run(batch)
@@ -253,7 +260,8 @@ def _sweep_batch(args, b: Bench, prompts, batch: int, peer) -> dict:
     print(f"batch {batch}: baseline {base:.1f}, adaptive {adaptive:.1f} tok/s "
           f"(runs {runs})", file=sys.stderr)
     return {"batch": batch, "baseline_tok_s": base, "adaptive_tok_s": adaptive,
-            "runs": runs, "adaptive_acceptance": accs[-1], "greedy_identical": identical}
+            "runs": runs, "adaptive_acceptance": accs[-1],
+            "greedy_identical": identical if args.temperature == 0 else None}
 
 
 def _sweep_only(args, b: Bench, prompts) -> int:
@@ -275,7 +283,7 @@ def _sweep_only(args, b: Bench, prompts) -> int:
         "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "k_max": args.k_max,
         "threads": args.threads, "device": args.device, "dtype": str(b.engine.target_fw.dtype),
         "attention": b.engine.config.attention,
-        "greedy": True, "repeats": max(1, args.repeats), "load_avg_1m_at_end": os.getloadavg()[0]},
+        "greedy": args.temperature == 0, "temperature": args.temperature, "repeats": max(1, args.repeats), "load_avg_1m_at_end": os.getloadavg()[0]},
         "batch_sweep": sweep, "peer": peer}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))

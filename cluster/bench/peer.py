@@ -1,11 +1,11 @@
 """`specserve bench engine --peer vllm`: the sweep's prompts through vLLM in a child process.
 
 vLLM runs in ANOTHER interpreter (`--peer-python`, its own venv; never a dependency of this
-project), with the same prompts, new tokens, threads and greedy decoding with eos ignored. Its
-runs are interleaved with ours, one at a time (never at the same time): for each batch and
-repeat, our baseline and adaptive runs, then vLLM's baseline and speculative runs. This machine's
-speed drifts by 30% within minutes (the same batch-32 step took 14 and 19 ms a minute apart), so
-a sweep of ours followed by a sweep of vLLM's compared two different machines.
+project), with the same prompts, new tokens, threads and temperature (greedy by default), eos
+ignored. Its runs are interleaved with ours, one at a time (never at the same time): for each
+batch and repeat, our baseline and adaptive runs, then vLLM's baseline and speculative runs.
+This machine's speed drifts by 30% within minutes (the same batch-32 step took 14 and 19 ms a
+minute apart), so a sweep of ours followed by a sweep of vLLM's compared two different machines.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Peer:
         self._tmp = tempfile.TemporaryDirectory()
         self.settings = {"target": str(fam / "target"), "draft": str(fam / "draft"),
                          "batches": batches, "new_tokens": args.new_tokens, "threads": args.threads,
+                         "temperature": getattr(args, "temperature", 0.0),
                          "device": args.device, "num_spec": args.peer_spec_tokens,
                          "repeats": max(1, getattr(args, "repeats", 1)), "interleaved": True}
         dtypes = [d.strip() for d in args.peer_dtype.split(",") if d.strip()]

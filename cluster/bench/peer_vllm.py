@@ -4,12 +4,13 @@ dependency of this project). Reads a JSON job, answers on stdout; imports nothin
 project, so it runs from any interpreter.
 
 Job: {"target", "draft", "prompts": [[ids]], "batches": [..], "new_tokens", "threads", "dtype",
-"device", "num_spec"}. Each configuration is one `LLM` (baseline; draft-model speculation with
-num_spec tokens), both built and warmed up at start; then the child waits on stdin: a line
-{"batch": B} times B prompts once through each, greedy with eos ignored as ours, and answers on
-stdout with a line `RESULT {"baseline": tok/s, "speculative": tok/s}` (vLLM's own log lines may
-come in between). So the parent interleaves vLLM's runs with its own, one at a time: on a noisy
-machine the noise then hits both sides of a ratio alike. EOF on stdin ends the child.
+"device", "num_spec", "temperature"}. Each configuration is one `LLM` (baseline; draft-model
+speculation with num_spec tokens), both built and warmed up at start; then the child waits on
+stdin: a line {"batch": B} times B prompts once through each, at the job's temperature (0:
+greedy) with eos ignored as ours, and answers on stdout with a line `RESULT {"baseline": tok/s,
+"speculative": tok/s}` (vLLM's own log lines may come in between). So the parent interleaves
+vLLM's runs with its own, one at a time: on a noisy machine the noise then hits both sides of a
+ratio alike. EOF on stdin ends the child.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def _llm(job: dict, speculative: bool):
     return LLM(**kw)
 
 
-def _time(llm, prompts, new_tokens: int) -> float:
+def _time(llm, prompts, new_tokens: int, temperature: float = 0.0) -> float:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     start = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=False)
@@ -62,7 +63,8 @@ def main(job_path: str) -> int:
     for line in sys.stdin:
         b = json.loads(line)["batch"]
         ps = [job["prompts"][i % len(job["prompts"])] for i in range(b)]
-        out = {name: _time(llm, ps, job["new_tokens"]) for name, llm in llms.items()}
+        out = {name: _time(llm, ps, job["new_tokens"], job.get("temperature", 0.0))
+               for name, llm in llms.items()}
         print(f"{RESULT} {json.dumps(out)}", flush=True)
     return 0
 

@@ -35,15 +35,16 @@ print("READY " + json.dumps({"version": "stand-in"}), flush=True)
 for i, line in enumerate(sys.stdin):
     b = json.loads(line)["batch"]
     print("WARNING a log line between runs", flush=True)
-    out = {"baseline": 10.0 * b + i, "speculative": 20.0 * b + i}
+    t = 1000.0 * job.get("temperature", 0.0)         # shows which temperature the child ran at
+    out = {"baseline": 10.0 * b + i + t, "speculative": 20.0 * b + i + t}
     print("RESULT " + json.dumps(out), flush=True)
 '''
 
 
-def _args(tmp_path, dtypes):
+def _args(tmp_path, dtypes, **kw):
     return SimpleNamespace(peer_python=sys.executable, family=str(tmp_path), new_tokens=8,
                            threads=1, device="cpu", peer_spec_tokens=4, repeats=3,
-                           peer_dtype=dtypes)
+                           peer_dtype=dtypes, **kw)
 
 
 def test_the_peer_runs_one_batch_at_a_time_between_its_log_lines(tmp_path, monkeypatch):
@@ -70,3 +71,24 @@ def test_the_peer_runs_one_batch_at_a_time_between_its_log_lines(tmp_path, monke
 def test_no_peer_dtype_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="peer-dtype"):
         peer_mod.Peer(_args(tmp_path, " , "), [[1, 2, 3]], [1])
+
+
+def test_the_peer_samples_at_the_sweeps_temperature(tmp_path, monkeypatch):
+    child = tmp_path / "child.py"
+    child.write_text(CHILD)
+    monkeypatch.setattr(peer_mod, "CHILD", child)
+    monkeypatch.setattr(peer_mod, "IDLE_S", 0.0)
+    p = peer_mod.Peer(_args(tmp_path, "float32", temperature=1.0), [[1, 2, 3]], [1])
+    p.run(1)
+    p.close()
+    r = p.result()
+    assert r["settings"]["temperature"] == 1.0 and r["baseline"] == {"1": 1010.0}
+
+
+@pytest.mark.parametrize("temperature, sweep_only", [(-0.5, True), (1.0, False)])
+def test_bench_engine_refuses_a_temperature_it_cannot_compare(temperature, sweep_only):
+    from cluster.bench.engine import run
+
+    args = SimpleNamespace(threads=1, quick=False, temperature=temperature, sweep_only=sweep_only)
+    with pytest.raises(SystemExit, match="--temperature"):
+        run(args)
