@@ -217,7 +217,8 @@ def run(args) -> int:
     result = {"family": str(args.family), "settings": {
         "new_tokens": args.new_tokens, "prompts": len(single), "prompt_tokens": args.prompt_tokens,
         "k_max": args.k_max, "threads": threads, "device": args.device, "dtype": args.dtype,
-        "greedy": args.temperature == 0, "temperature": args.temperature}, "machine": {"cpu": platform.processor() or platform.machine(),
+        "greedy": args.temperature == 0, "temperature": args.temperature},
+        "machine": {"cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
         "cost_model": b.engine.cost.to_dict(), "single_stream": single_stream, "batch_sweep": sweep}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -246,13 +247,13 @@ def _sweep_batch(args, b: Bench, prompts, batch: int, peer) -> dict:
     """One batch size: our baseline and adaptive runs (and the peer's) in turn, each repeat."""
     ps = [prompts[i % len(prompts)] for i in range(batch)]
     runs = {"baseline": [], "adaptive": []}
-    identical, accs = args.temperature == 0, []   # sampled runs: None, nothing to compare
+    identical, accs = True, []
     for _ in range(max(1, args.repeats)):         # interleaved, so noise hits all alike
         base, base_tokens, _ = b.engine_run(ps, "baseline", 0, False)
         adaptive, tokens, acc = b.engine_run(ps, "speculative", args.k_max, True)
         runs["baseline"].append(base)
         runs["adaptive"].append(adaptive)
-        identical = identical and tokens == base_tokens
+        identical &= tokens == base_tokens
         accs.append(acc)
         if peer is not None:
             peer.run(batch)
@@ -261,7 +262,7 @@ def _sweep_batch(args, b: Bench, prompts, batch: int, peer) -> dict:
           f"(runs {runs})", file=sys.stderr)
     return {"batch": batch, "baseline_tok_s": base, "adaptive_tok_s": adaptive,
             "runs": runs, "adaptive_acceptance": accs[-1],
-            "greedy_identical": identical if args.temperature == 0 else None}
+            "greedy_identical": identical if args.temperature == 0 else None}   # sampled: no claim
 
 
 def _sweep_only(args, b: Bench, prompts) -> int:
@@ -283,7 +284,8 @@ def _sweep_only(args, b: Bench, prompts) -> int:
         "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "k_max": args.k_max,
         "threads": args.threads, "device": args.device, "dtype": str(b.engine.target_fw.dtype),
         "attention": b.engine.config.attention,
-        "greedy": args.temperature == 0, "temperature": args.temperature, "repeats": max(1, args.repeats), "load_avg_1m_at_end": os.getloadavg()[0]},
+        "greedy": args.temperature == 0, "temperature": args.temperature,
+        "repeats": max(1, args.repeats), "load_avg_1m_at_end": os.getloadavg()[0]},
         "batch_sweep": sweep, "peer": peer}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -43,7 +43,7 @@ def test_a_seeded_row_draws_the_same_whatever_rows_share_its_batch():
     alone = [int(sample(weights, [torch.Generator().manual_seed(s)])) for s in range(40)]
     mixed = []
     for s in range(40):
-        torch.manual_seed(100 + s)                       # the shared rows draw differently each time
+        torch.manual_seed(100 + s)               # the shared rows draw differently each time
         rows = [None, torch.Generator().manual_seed(s), None, None]
         mixed.append(int(sample(weights.repeat(4, 1), rows)[1]))
     assert alone == mixed
