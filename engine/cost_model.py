@@ -360,7 +360,8 @@ def step_s(ks: Sequence[int], cost: StepCostModel, context_tokens: int = 0, extr
 
 def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostModel,
              context_tokens: int = 0, extra_tokens: int = 0,
-             max_slowdown: float | None = 0.05) -> list[int]:
+             max_slowdown: float | None = 0.05,
+             catch_up_s: Sequence[float] | None = None) -> list[int]:
     """Per-sequence speculation length for one step, maximising batch goodput.
 
     goodput = sum_i expected_tokens(a_i, k_i) / decode time. A step (`step_s`) is max(k) draft
@@ -377,7 +378,13 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
     baseline-mode sequence (one token a step) vetoes draft rounds that would slow it more.
     None: pure goodput, whoever pays.
 
-    Sequences with equal (a, k_max) are solved as one group. For each cap K = 1..max(k_max), a
+    catch_up_s[i]: what sequence i adds to the step if it drafts at all, for its draft to catch
+    up on tokens it skipped while it did not draft (0 for a draft on time). A sequence stopped
+    while acceptance sat near break-even otherwise restarts on the next small move of its
+    estimate, the whole batch at once, each draft feeding every token it skipped, and stops
+    again a few steps later (notes/issue10.md, session 21: reference-py at batch 32).
+
+    Sequences with equal (a, k_max, catch-up) are solved as one group. For each cap K = 1..max(k_max), a
     Dinkelbach iteration on the linearised cost: every group takes the largest k <= K whose
     marginal gain a^k beats lambda * (marginal cost per draft token); lambda is then the exact
     goodput. Candidates are those choices, the same with speculative zeros lifted to 1, and k = K
@@ -388,26 +395,29 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
     batch = len(acceptance)
     if batch == 0:
         return []
-    counts: dict[tuple[float, int], int] = {}
-    for a, km in zip(acceptance, k_max):
-        key = (min(max(float(a), 0.0), 1.0), max(int(km), 0))
+    catch_up = [0.0] * batch if catch_up_s is None else catch_up_s
+    keys = [(min(max(float(a), 0.0), 1.0), max(int(km), 0), max(float(c), 0.0))
+            for a, km, c in zip(acceptance, k_max, catch_up)]
+    counts: dict[tuple[float, int, float], int] = {}
+    for key in keys:
         counts[key] = counts.get(key, 0) + 1
     groups = list(counts)
-    k_top = max(km for _, km in groups)
+    k_top = max(km for _, km, _ in groups)
     if k_top == 0:
         return [0] * batch
     sizes = [counts[g] for g in groups]
-    accs = [a for a, _ in groups]
+    accs = [a for a, _, _ in groups]
     base_s = cost.target_s(batch, batch + extra_tokens, context_tokens)
     prefill_s = base_s - cost.target_s(batch, batch, context_tokens) if extra_tokens else 0.0
 
     def evaluate(ks: list[int]) -> float:
         """Goodput of ks, or 0.0 if it slows some sequence by more than max_slowdown."""
         seconds = step_s(ks, cost, context_tokens, extra_tokens, sizes)
+        seconds += sum(c * cu for (_, _, cu), k, c in zip(groups, ks, sizes) if k)
         floor = None if max_slowdown is None else (1.0 - max_slowdown) * seconds / base_s
         if floor is not None and any(expected_tokens(a, k) < floor for a, k in zip(accs, ks)):
             return 0.0
-        emitted = sum(c * expected_tokens(a, k) for (a, _), k, c in zip(groups, ks, sizes))
+        emitted = sum(c * expected_tokens(a, k) for (a, _, _), k, c in zip(groups, ks, sizes))
         return emitted / (seconds - prefill_s)
 
     best_ks = [0] * len(groups)
@@ -419,14 +429,18 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
         t_cap = cost.target_s(batch, batch * (cap + 1) + extra_tokens, context_tokens)
         t_slope = (t_cap - base_s) / (batch * cap)
         per_token_s = max(d_slope, 0.0) + max(t_slope, 0.0)
-        candidates = [[min(cap, km) for _, km in groups]]
+        candidates = [[min(cap, km) for _, km, _ in groups]]
         lam, improved = best_rate, False
         for _ in range(6):
             threshold = lam * per_token_s  # value of one draft token, in expected tokens
-            ks = [_largest_k(a, min(cap, km), threshold) for a, km in groups]
+            ks = [_largest_k(a, min(cap, km), threshold) for a, km, _ in groups]
+            # A catch-up is a price for drafting at all: a group drafts only if its tokens pay
+            # for it too.
+            ks = [k if not cu or expected_tokens(a, k) - 1 >= lam * (k * per_token_s + cu) else 0
+                  for k, (a, _, cu) in zip(ks, groups)]
             if ks in candidates:
                 break
-            candidates += [ks, [max(k, min(1, km)) for k, (_, km) in zip(ks, groups)]]
+            candidates += [ks, [max(k, min(1, km)) for k, (_, km, _) in zip(ks, groups)]]
             lam = max(lam, evaluate(ks), evaluate(candidates[-1]))
         for ks in candidates:
             r = evaluate(ks)
@@ -436,7 +450,7 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
         if misses == 2:
             break
     by_group = dict(zip(groups, best_ks))
-    return [by_group[(min(max(float(a), 0.0), 1.0), max(int(km), 0))] for a, km in zip(acceptance, k_max)]
+    return [by_group[key] for key in keys]
 
 
 def _largest_k(a: float, cap: int, threshold: float) -> int:

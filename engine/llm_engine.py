@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
 CATCH_UP_MAX = 3        # draft tokens to catch up on that still make a decode step (see _calibrate)
+PAYBACK_STEPS = 8       # a draft that restarts must pay back its catch-up within this many steps
 
 
 class LLMEngine:
@@ -106,12 +107,21 @@ class LLMEngine:
         return self.acceptance.value
 
     def _choose_k(self, acceptance: list[float], k_max: list[int], context_tokens: int,
-                  extra_tokens: int) -> list[int]:
+                  extra_tokens: int, skipped: list[int] | None = None) -> list[int]:
         if not self.config.adaptive_k:
             return list(k_max)
+        # A draft that skipped tokens feeds them all before it proposes: priced at the draft's
+        # cost a fed token at this batch, spread over the steps a restart must pay back in.
+        catch_up = None
+        if skipped and any(skipped):
+            b = len(acceptance)
+            per_token = max(0.0, self.cost.draft_s(b, 2 * b, context_tokens)
+                            - self.cost.draft_s(b, b, context_tokens)) / b
+            catch_up = [n * per_token / PAYBACK_STEPS for n in skipped]
         # Pure goodput (DESIGN.md: "k per step maximises goodput"); the latency guard
         # (max_slowdown) is the router's business, which keeps slow-accepting requests baseline.
-        ks = choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens, max_slowdown=None)
+        ks = choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens, max_slowdown=None,
+                      catch_up_s=catch_up)
         if any(ks):
             self._steps_without_draft = 0
             return ks

@@ -22,9 +22,9 @@ from engine.kv_cache import BlockPool, blocks_needed
 from engine.sampling_params import FinishReason, Mode
 from engine.sequence import Sequence, Status
 
-# choose_k(acceptance per sequence, k_max per sequence, context tokens, prefill tokens)
-#   -> k per sequence
-ChooseK = Callable[[list[float], list[int], int, int], list[int]]
+# choose_k(acceptance per sequence, k_max per sequence, context tokens, prefill tokens,
+#          tokens each sequence's draft skipped while it did not draft) -> k per sequence
+ChooseK = Callable[[list[float], list[int], int, int, list[int]], list[int]]
 
 
 @dataclass
@@ -185,8 +185,13 @@ class Scheduler:
                     for s in decode]
             prefill = sum(len(s.token_ids) - s.num_computed for s in self.running if s.in_prefill)
             context = sum(len(s.token_ids) for s in decode)
+            # A draft on time lags by 1-2 tokens (the last step's bonus and accepted ones); one
+            # that has never run (draft_computed 0) catches up on the prompt, the price of any
+            # speculation, so neither counts as skipped.
+            skipped = [max(0, len(s.token_ids) - s.draft_computed - 2) if s.draft_computed else 0
+                       for s in decode]
             chosen = self.choose_k([self.acceptance(s) for s in decode], room, context,
-                                   min(prefill, budget))
+                                   min(prefill, budget), skipped)
             ks = {id(s): k for s, k in zip(decode, chosen)}
         for s in self.running:
             if s.in_prefill:

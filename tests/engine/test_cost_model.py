@@ -123,6 +123,28 @@ def test_choose_k_zero_when_it_does_not_pay():
     assert choose_k([], [], LINEAR) == []
 
 
+def test_a_draft_that_must_catch_up_drafts_only_where_its_tokens_pay_for_that_too():
+    """A sequence whose draft skipped tokens pays for feeding them when it drafts again
+    (session 21: at batch 32, estimates at break-even restarted the batch in bursts)."""
+    a, n = 0.8, 8
+    on_time = choose_k([a] * n, [4] * n, LINEAR, max_slowdown=None)
+    assert all(on_time) and choose_k([a] * n, [4] * n, LINEAR, max_slowdown=None,
+                                     catch_up_s=[0.0] * n) == on_time
+    # What drafting brings these sequences, in seconds of the no-draft step's rate: a catch-up
+    # well below it leaves them drafting, well above it stops them.
+    rate = n / step_s([0] * n, LINEAR)
+    gain_s = (n * expected_tokens(a, on_time[0]) / step_s(on_time, LINEAR) - rate) \
+        * step_s(on_time, LINEAR) / rate / n
+    assert choose_k([a] * n, [4] * n, LINEAR, max_slowdown=None,
+                    catch_up_s=[0.2 * gain_s] * n) == on_time
+    assert choose_k([a] * n, [4] * n, LINEAR, max_slowdown=None,
+                    catch_up_s=[3.0 * gain_s] * n) == [0] * n
+    # In one batch the laggards stay off while the sequences on time draft.
+    mixed = choose_k([a] * n, [4] * n, LINEAR, max_slowdown=None,
+                     catch_up_s=[0.0] * 4 + [3.0 * gain_s] * 4)
+    assert all(mixed[:4]) and mixed[4:] == [0] * 4
+
+
 def test_choose_k_monotone_in_acceptance_and_capped():
     rng = random.Random(1)
     cost = RooflineStepCost(A100, L70, L7, tp=4, draft_tp=4)
@@ -373,3 +395,31 @@ def test_a_draft_price_learnt_at_one_load_is_not_kept_while_nothing_drafts():
     for _ in range(3):                      # still dear: learnt again at once
         cost.calibrate(ks, ctx, verify + 3.0 * (step_s(ks, base, ctx) - verify))
     assert cost.spec_scale > 2.5
+
+
+def test_the_scheduler_tells_choose_k_how_many_tokens_each_draft_skipped(make_engine):
+    """A draft on time (lagging by the last step's 1-2 tokens) and one that has never run
+    (its catch-up is the prompt, the price of any speculation) skipped nothing; one 10 tokens
+    behind that skipped 10."""
+    from engine.sampling_params import RequestOptions, SamplingParams
+
+    engine = make_engine(adaptive_k=False)             # every draft runs every step (k = 3)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for rid in "abc":
+        engine.add_request(rid, list(range(5, 25)), params, RequestOptions("speculative", k_max=3))
+    for _ in range(4):
+        engine.step()
+    seqs = engine.seqs
+    assert all(s.draft_computed > 10 and not s.in_prefill for s in seqs.values())
+    seqs["b"].draft_computed = len(seqs["b"].token_ids) - 12
+    seqs["c"].draft_computed = 0
+    seen = []
+    choose = engine.scheduler.choose_k
+
+    def record(acc, room, context, prefill, skipped):
+        seen.append(sorted(skipped))
+        return choose(acc, room, context, prefill, skipped)
+
+    engine.scheduler.choose_k = record
+    engine.step()
+    assert seen == [[0, 0, 10]]
