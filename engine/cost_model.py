@@ -387,10 +387,10 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
     Sequences with equal (a, k_max, catch-up) are solved as one group. For each cap
     K = 1..max(k_max), a Dinkelbach iteration on the linearised cost: every group takes the
     largest k <= K whose marginal gain a^k beats lambda * (marginal cost per draft token);
-    lambda is then the exact goodput. Candidates are those choices, the same with speculative zeros lifted to 1, and k = K
-    for all; the best feasible one wins (all-zero otherwise). The caps stop after two in a row
-    fail to improve (goodput is unimodal in the cap in practice). A higher a never gets a
-    smaller k.
+    lambda is then the exact goodput. Candidates are those choices, the same with speculative
+    zeros lifted to 1, and k = K for all; the best feasible one wins (all-zero otherwise). The
+    caps stop after two in a row fail to improve (goodput is unimodal in the cap in practice).
+    A higher a never gets a smaller k.
     """
     batch = len(acceptance)
     if batch == 0:
