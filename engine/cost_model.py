@@ -166,6 +166,11 @@ CAL_SCALE_RANGE = (0.25, 4.0)
 PER_SEQ_PRIOR = 32.0       # ... draft_excess: per_seq_s's prior of 0, weighted as 32 batch-1 steps
 SCALE_RELAX = 0.02         # ... draft_excess: spec_scale's pull back to 1 per step nobody drafts
                            #     at another load than it was learnt at
+# The engine (and the simulator's engines) draft only where `choose_k` expects that to beat plain
+# decoding by this much: the model's error at large batch is about that (reference-py, batch 32,
+# k = 1: 55.9 ms priced, 52.7 measured), and it does not see what a closed batch loses to
+# sequences finishing unevenly (notes/issue10.md, session 22).
+MIN_GAIN = 0.05
 
 
 @dataclass
@@ -361,7 +366,8 @@ def step_s(ks: Sequence[int], cost: StepCostModel, context_tokens: int = 0, extr
 def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostModel,
              context_tokens: int = 0, extra_tokens: int = 0,
              max_slowdown: float | None = 0.05,
-             catch_up_s: Sequence[float] | None = None) -> list[int]:
+             catch_up_s: Sequence[float] | None = None, min_gain: float = 0.0,
+             no_split: bool = False) -> list[int]:
     """Per-sequence speculation length for one step, maximising batch goodput.
 
     goodput = sum_i expected_tokens(a_i, k_i) / decode time. A step (`step_s`) is max(k) draft
@@ -383,6 +389,12 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
     while acceptance sat near break-even otherwise restarts on the next small move of its
     estimate, the whole batch at once, each draft feeding every token it skipped, and stops
     again a few steps later (notes/issue10.md, session 21: reference-py at batch 32).
+
+    min_gain: drafting is chosen only if its goodput beats plain decoding's by this fraction.
+    no_split: if any sequence drafts, every speculative one does (k >= 1): in a batch split into
+    drafting and not, the ones not drafting advance a token a step while the rest advance
+    1 + a, so they finish later and alone (a closed batch at 16: 0.87-0.91x plain decoding,
+    notes/issue10.md, session 22), and they wait out every draft round for nothing.
 
     Sequences with equal (a, k_max, catch-up) are solved as one group. For each cap
     K = 1..max(k_max), a Dinkelbach iteration on the linearised cost: every group takes the
@@ -407,18 +419,41 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
         return [0] * batch
     sizes = [counts[g] for g in groups]
     accs = [a for a, _, _ in groups]
+    cost = _Memo(cost)    # one call asks the same few table points hundreds of times
+    gains = [[expected_tokens(a, k) for k in range(k_top + 1)] for a in accs]
+    logs = [math.log(a) if 0.0 < a < 1.0 else 0.0 for a in accs]
     base_s = cost.target_s(batch, batch + extra_tokens, context_tokens)
     prefill_s = base_s - cost.target_s(batch, batch, context_tokens) if extra_tokens else 0.0
 
+    rates: dict[tuple[int, ...], float] = {}
+
     def evaluate(ks: list[int]) -> float:
         """Goodput of ks, or 0.0 if it slows some sequence by more than max_slowdown."""
-        seconds = step_s(ks, cost, context_tokens, extra_tokens, sizes)
-        seconds += sum(c * cu for (_, _, cu), k, c in zip(groups, ks, sizes) if k)
+        key = tuple(ks)
+        if key in rates:
+            return rates[key]
+        # `step_s`, in one pass over the groups (this runs ~100 times a step)
+        drafting = [0] * (k_top + 2)      # drafting[k]: sequences with exactly k draft tokens
+        emitted = seconds = 0.0
+        for g, k, c, (_, _, cu) in zip(gains, ks, sizes, groups):
+            drafting[k] += c
+            emitted += c * g[k]
+            if k:
+                seconds += c * cu
+        n_j = sum(drafting[1:])
+        seconds += cost.target_s(batch, batch + sum(k * n for k, n in enumerate(drafting))
+                                 + extra_tokens, context_tokens)
+        for j in range(1, k_top + 1):
+            if not n_j:
+                break
+            seconds += cost.draft_s(n_j, n_j, context_tokens * n_j // batch)
+            n_j -= drafting[j]
         floor = None if max_slowdown is None else (1.0 - max_slowdown) * seconds / base_s
-        if floor is not None and any(expected_tokens(a, k) < floor for a, k in zip(accs, ks)):
-            return 0.0
-        emitted = sum(c * expected_tokens(a, k) for (a, _, _), k, c in zip(groups, ks, sizes))
-        return emitted / (seconds - prefill_s)
+        rate = emitted / (seconds - prefill_s)
+        if floor is not None and any(g[k] < floor for g, k in zip(gains, ks)):
+            rate = 0.0
+        rates[key] = rate
+        return rate
 
     best_ks = [0] * len(groups)
     best_rate = evaluate(best_ks)
@@ -433,15 +468,18 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
         lam, improved = best_rate, False
         for _ in range(6):
             threshold = lam * per_token_s  # value of one draft token, in expected tokens
-            ks = [_largest_k(a, min(cap, km), threshold) for a, km, _ in groups]
+            ks = _largest_ks(accs, logs, [min(cap, km) for _, km, _ in groups], threshold)
             # A catch-up is a price for drafting at all: a group drafts only if its tokens pay
             # for it too.
-            ks = [k if not cu or expected_tokens(a, k) - 1 >= lam * (k * per_token_s + cu) else 0
-                  for k, (a, _, cu) in zip(ks, groups)]
+            ks = [k if not cu or g[k] - 1 >= lam * (k * per_token_s + cu) else 0
+                  for k, g, (_, _, cu) in zip(ks, gains, groups)]
             if ks in candidates:
                 break
             candidates += [ks, [max(k, min(1, km)) for k, (_, km, _) in zip(ks, groups)]]
             lam = max(lam, evaluate(ks), evaluate(candidates[-1]))
+        if no_split:
+            candidates = [[max(k, min(1, km)) for k, (_, km, _) in zip(ks, groups)] if any(ks) else ks
+                          for ks in candidates]
         for ks in candidates:
             r = evaluate(ks)
             if r > best_rate * (1 + 1e-12):
@@ -449,18 +487,40 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
         misses = 0 if improved else misses + 1
         if misses == 2:
             break
+    if any(best_ks) and best_rate < evaluate([0] * len(groups)) * (1.0 + min_gain):
+        best_ks = [0] * len(groups)
     by_group = dict(zip(groups, best_ks))
     return [by_group[key] for key in keys]
 
 
-def _largest_k(a: float, cap: int, threshold: float) -> int:
-    """Largest k <= cap with marginal gain a^k >= threshold (expected_tokens is concave in k)."""
-    if cap <= 0 or a <= 0.0:
-        return 0
+class _Memo:
+    """A step cost model's answers, remembered for the length of one `choose_k` call."""
+
+    def __init__(self, cost: StepCostModel):
+        self.cost, self._t, self._d = cost, {}, {}
+
+    def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        key = (num_seqs, num_tokens, context_tokens)
+        if key not in self._t:
+            self._t[key] = self.cost.target_s(num_seqs, num_tokens, context_tokens)
+        return self._t[key]
+
+    def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        key = (num_seqs, num_tokens, context_tokens)
+        if key not in self._d:
+            self._d[key] = self.cost.draft_s(num_seqs, num_tokens, context_tokens)
+        return self._d[key]
+
+
+def _largest_ks(accs: list[float], logs: list[float], caps: list[int], threshold: float) -> list[int]:
+    """Per group, the largest k <= cap whose marginal gain a^k is at least threshold
+    (expected_tokens is concave in k); logs[i] = log(accs[i]) where 0 < a < 1."""
     if threshold <= 0.0:
-        return cap
-    if a >= 1.0:
-        return cap if threshold <= 1.0 else 0
+        return [cap if cap > 0 and a > 0.0 else 0 for a, cap in zip(accs, caps)]
     if threshold >= 1.0:
-        return 0
-    return max(0, min(cap, int(math.log(threshold) / math.log(a) + 1e-9)))
+        return [cap if cap > 0 and a >= 1.0 and threshold <= 1.0 else 0
+                for a, cap in zip(accs, caps)]
+    lt = math.log(threshold)
+    return [0 if cap <= 0 or a <= 0.0 else cap if a >= 1.0
+            else max(0, min(cap, int(lt / la + 1e-9)))
+            for a, la, cap in zip(accs, logs, caps)]

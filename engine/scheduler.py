@@ -23,8 +23,9 @@ from engine.sampling_params import FinishReason, Mode
 from engine.sequence import Sequence, Status
 
 # choose_k(acceptance per sequence, k_max per sequence, context tokens, prefill tokens,
-#          tokens each sequence's draft skipped while it did not draft) -> k per sequence
-ChooseK = Callable[[list[float], list[int], int, int, list[int]], list[int]]
+#          tokens each sequence's draft must feed before it can propose (its catch-up),
+#          tokens each sequence may still emit) -> k per sequence
+ChooseK = Callable[[list[float], list[int], int, int, list[int], list[int]], list[int]]
 
 
 @dataclass
@@ -185,13 +186,15 @@ class Scheduler:
                     for s in decode]
             prefill = sum(len(s.token_ids) - s.num_computed for s in self.running if s.in_prefill)
             context = sum(len(s.token_ids) for s in decode)
-            # A draft on time lags by 1-2 tokens (the last step's bonus and accepted ones); one
-            # that has never run (draft_computed 0) catches up on the prompt, the price of any
-            # speculation, so neither counts as skipped.
-            skipped = [max(0, len(s.token_ids) - s.draft_computed - 2) if s.draft_computed else 0
-                       for s in decode]
+            # A draft on time lags by 1-2 tokens (the last step's bonus and accepted ones), which
+            # its round feeds anyway; one that has never run (draft_computed 0) first feeds the
+            # whole context, one stopped for a while every token it skipped.
+            catch_up = [len(s.token_ids) - s.draft_computed - 2 if s.draft_computed
+                        else len(s.token_ids) for s in decode]
+            left = [min(s.params.max_tokens - s.num_output, limits.max_model_len - len(s.token_ids))
+                    for s in decode]
             chosen = self.choose_k([self.acceptance(s) for s in decode], room, context,
-                                   min(prefill, budget), skipped)
+                                   min(prefill, budget), [max(0, n) for n in catch_up], left)
             ks = {id(s): k for s, k in zip(decode, chosen)}
         for s in self.running:
             if s.in_prefill:

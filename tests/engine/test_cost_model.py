@@ -1,6 +1,7 @@
 """engine.cost_model and engine.hardware: hand-counted bytes, the roofline, and choose_k."""
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -397,10 +398,10 @@ def test_a_draft_price_learnt_at_one_load_is_not_kept_while_nothing_drafts():
     assert cost.spec_scale > 2.5
 
 
-def test_the_scheduler_tells_choose_k_how_many_tokens_each_draft_skipped(make_engine):
-    """A draft on time (lagging by the last step's 1-2 tokens) and one that has never run
-    (its catch-up is the prompt, the price of any speculation) skipped nothing; one 10 tokens
-    behind that skipped 10."""
+def test_the_scheduler_tells_choose_k_each_drafts_catch_up_and_the_tokens_left(make_engine):
+    """A draft on time (lagging by the last step's 1-2 tokens, which its round feeds anyway)
+    has nothing to catch up on; one 12 tokens behind has 10; one that has never run, its whole
+    context. And each sequence's tokens left, which the catch-up is spread over."""
     from engine.sampling_params import RequestOptions, SamplingParams
 
     engine = make_engine(adaptive_k=False)             # every draft runs every step (k = 3)
@@ -413,13 +414,85 @@ def test_the_scheduler_tells_choose_k_how_many_tokens_each_draft_skipped(make_en
     assert all(s.draft_computed > 10 and not s.in_prefill for s in seqs.values())
     seqs["b"].draft_computed = len(seqs["b"].token_ids) - 12
     seqs["c"].draft_computed = 0
+    expected_left = sorted(30 - s.num_output for s in seqs.values())
+    context_c = len(seqs["c"].token_ids)
     seen = []
     choose = engine.scheduler.choose_k
 
-    def record(acc, room, context, prefill, skipped):
-        seen.append(sorted(skipped))
-        return choose(acc, room, context, prefill, skipped)
+    def record(acc, room, context, prefill, catch_up, left):
+        seen.append((sorted(catch_up), sorted(left)))
+        return choose(acc, room, context, prefill, catch_up, left)
 
     engine.scheduler.choose_k = record
     engine.step()
-    assert seen == [[0, 0, 10]]
+    assert seen == [([0, 10, context_c], expected_left)]
+
+
+def _linear_engine(make_engine):
+    """An adaptive engine whose step costs are LINEAR's (no calibration moves them)."""
+    from engine.cost_model import CalibratedCost
+
+    engine = make_engine(adaptive_k=True)
+    engine.cost = CalibratedCost(LINEAR)
+    return engine
+
+
+def test_the_engine_spreads_a_catch_up_over_the_steps_the_sequence_has_left(make_engine):
+    """The same catch-up is worth paying for a sequence with many tokens left and not for one
+    about to finish (session 22: a straggler stopped at batch 16 lagged further every step,
+    and with the price spread over a fixed 8 steps never drafted again, even alone)."""
+    from engine.llm_engine import PAYBACK_STEPS
+
+    engine = _linear_engine(make_engine)
+    a, n = 0.8, 8
+    on_time = engine._choose_k([a] * n, [4] * n, 0, 0)
+    rate = n / step_s([0] * n, LINEAR)
+    gain_s = (n * expected_tokens(a, on_time[0]) / step_s(on_time, LINEAR) - rate) \
+        * step_s(on_time, LINEAR) / rate / n                # what drafting brings a step
+    per_token = (LINEAR.draft_s(n, 2 * n) - LINEAR.draft_s(n, n)) / n
+    catch_up = round(0.3 * gain_s * PAYBACK_STEPS / per_token)   # 0.3x that over 32 steps
+    long_left = engine._choose_k([a] * n, [4] * n, 0, 0, [catch_up] * n, [400] * n)
+    short_left = engine._choose_k([a] * n, [4] * n, 0, 0, [catch_up] * n, [4] * n)
+    assert all(on_time) and long_left == on_time and short_left == [0] * n
+
+
+def test_no_split_drafts_every_speculative_sequence_or_none():
+    """With no_split, a sequence whose acceptance alone would not pay drafts one token when the
+    rest of the batch drafts (a batch split into drafting and not leaves the non-drafting ones
+    to finish alone: session 22, batch 16 at 0.87-0.91x plain decoding); baseline-mode
+    sequences (k_max 0) still never draft."""
+    accs, caps = [0.9] * 7 + [0.0], [4] * 8
+    split = choose_k(accs, caps, LINEAR, max_slowdown=None)
+    assert all(split[:7]) and split[7] == 0
+    whole = choose_k(accs, caps, LINEAR, max_slowdown=None, no_split=True)
+    assert all(whole) and whole[7] == 1
+    mixed = choose_k(accs, caps[:7] + [0], LINEAR, max_slowdown=None, no_split=True)
+    assert all(mixed[:7]) and mixed[7] == 0
+    assert choose_k([0.0] * 8, caps, LINEAR, max_slowdown=None, no_split=True) == [0] * 8
+
+
+def test_min_gain_keeps_plain_decoding_unless_drafting_beats_it_by_that_much():
+    """Drafting is chosen only where its goodput beats plain decoding's by min_gain."""
+    n, caps = 8, [4] * 8
+    plain = n / step_s([0] * n, LINEAR)
+    for a in (0.3, 0.45, 0.6, 0.75, 0.9):
+        ks = choose_k([a] * n, caps, LINEAR, max_slowdown=None)
+        if not any(ks):
+            continue
+        gain = n * expected_tokens(a, ks[0]) / step_s(ks, LINEAR) / plain - 1.0
+        assert choose_k([a] * n, caps, LINEAR, max_slowdown=None, min_gain=gain * 0.9) == ks
+        assert choose_k([a] * n, caps, LINEAR, max_slowdown=None, min_gain=gain * 1.1) == [0] * n
+
+
+def test_largest_ks_is_the_largest_k_whose_marginal_gain_clears_the_threshold():
+    """`choose_k`'s inner step, checked against its definition over a grid that includes the
+    edges (a of 0 and 1, thresholds at and past 0 and 1, caps of 0)."""
+    from engine.cost_model import _largest_ks
+
+    accs = [0.0, 0.05, 0.3, 0.5, 0.71, 0.9, 0.99, 1.0]
+    logs = [math.log(a) if 0.0 < a < 1.0 else 0.0 for a in accs]
+    for threshold in (-0.1, 0.0, 1e-6, 0.01, 0.2, 0.5, 0.7, 0.9, 0.999, 1.0, 1.5):
+        for cap in (0, 1, 3, 8):
+            want = [max([k for k in range(1, cap + 1) if a > 0 and a ** k >= threshold - 1e-12],
+                        default=0) for a in accs]
+            assert _largest_ks(accs, logs, [cap] * len(accs), threshold) == want, (threshold, cap)
