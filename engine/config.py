@@ -25,6 +25,9 @@ class EngineConfig:
                                          # + SDPA everywhere (CUDA always). notes/issue10.md
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget
+    kv_resident: bool = False            # write the whole KV pool at start, so no served step
+                                         # faults its pages in (engine/kv_cache.py); serving
+                                         # configs turn it on, tests' many engines leave it off
     block_size: int = 16                 # target tokens per KV block
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512

@@ -75,8 +75,10 @@ class TierModelConfig(_Strict):
         return self
 
     def engine_config(self) -> EngineConfig:
-        """The engine's dataclass config for one replica of this tier."""
+        """The engine's dataclass config for one replica of this tier. A served replica writes
+        its KV pool at start (`kv_resident`; engine_args may turn it off)."""
         return EngineConfig(**{
+            "kv_resident": True,
             "target": self.model, "draft": self.draft, "dtype": self.dtype, "device": self.device,
             "kv_budget_bytes": self.kv_budget_bytes, "max_num_seqs": self.max_num_seqs,
             "max_model_len": self.max_model_len, "num_threads": self.num_threads,

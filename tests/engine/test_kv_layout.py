@@ -1,5 +1,7 @@
 """The pool's plane-major layout: what makes attention stream, and what keeps blocks apart."""
 
+import os
+
 import pytest
 import torch
 
@@ -42,3 +44,24 @@ def test_a_sequence_of_consecutive_blocks_is_one_run_per_layer():
     # the draft's (layer, K/V) spans 6 planes: one run per plane
     kc, _ = pool.layers(pool.draft)[0]
     assert kc.shape[1] == 6 and kc[5:9, 0].is_contiguous()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_a_resident_pool_is_mapped_at_start_and_a_lazy_one_is_not():
+    """`resident` writes the pool when it is made, so no served step faults a fresh block's pages
+    in; without it the pool is address space only until blocks are written."""
+    size = 256 << 20
+    before = _resident_bytes()
+    lazy = BlockPool(size, (12, 5, 8), 16, torch.float32, "cpu", (2, 4, 8))
+    grown_lazy = _resident_bytes() - before
+    del lazy
+    before = _resident_bytes()
+    pool = BlockPool(size, (12, 5, 8), 16, torch.float32, "cpu", (2, 4, 8), resident=True)
+    grown = _resident_bytes() - before
+    assert grown > 0.9 * pool.budget_bytes and grown_lazy < 0.1 * size
+    assert not pool.pool.any()

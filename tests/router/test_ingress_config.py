@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from router.config import AppConfig, load_config, uses_demo_family
+from router.config import AppConfig, TierModelConfig, load_config, uses_demo_family
 from router.keys import KeyStore, add_key, make_record, read_keys
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, error_body
 from router.pricing import PriceTable, effective_plan, plan_covers
@@ -52,6 +52,9 @@ def test_llama2_70b_yaml_loads():
     assert cfg.policy.k_max == 8            # a typed PolicyConfig, read at load time
     engine = cfg.target.engine_config()     # the engine's dataclass, built straight from the tier
     assert (engine.tp_size, engine.max_num_seqs, engine.kv_budget_bytes) == (4, 64, 25769803776)
+    assert engine.kv_resident               # a served replica holds its KV budget from the start
+    off = TierModelConfig(model="/m", engine_args={"kv_resident": False}).engine_config()
+    assert not off.kv_resident
 
 
 def test_bad_policy_or_engine_args_fail_when_the_config_loads(tmp_path):
