@@ -161,9 +161,14 @@ def run(args) -> int:
     torch.set_num_threads(threads)
     if args.quick:
         args.prompts, args.new_tokens, args.batches = 2, 32, "1,4"
-    if args.temperature < 0 or (args.temperature > 0 and not args.sweep_only):
+    if args.temperature > 0 and not args.sweep_only:
         raise SystemExit("--temperature: 0 (greedy) or, with --sweep-only, above 0 (the full run "
                          "compares with transformers' greedy generate)")
+    from engine.sampling_params import SamplingParams
+    try:   # the engine's own range, checked before the models load
+        SamplingParams(temperature=args.temperature)
+    except ValueError as e:
+        raise SystemExit(f"--temperature: {e}") from None
     b = Bench(args)
     prompts = _prompts(b.tok, Path(args.family), max(args.prompts, 32), args.prompt_tokens)
     single = prompts[:args.prompts]

@@ -85,7 +85,8 @@ def test_the_peer_samples_at_the_sweeps_temperature(tmp_path, monkeypatch):
     assert r["settings"]["temperature"] == 1.0 and r["baseline"] == {"1": 1010.0}
 
 
-@pytest.mark.parametrize("temperature, sweep_only", [(-0.5, True), (1.0, False)])
+@pytest.mark.parametrize("temperature, sweep_only",
+                         [(-0.5, True), (1.0, False), (150.0, True), (float("nan"), True)])
 def test_bench_engine_refuses_a_temperature_it_cannot_compare(temperature, sweep_only):
     from cluster.bench.engine import run
 
