@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import replace
 
 import torch
@@ -38,6 +39,7 @@ DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft fail
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
 CATCH_UP_MAX = 3        # draft tokens to catch up on that still make a decode step (see _calibrate)
 PAYBACK_STEPS = 32      # a draft's catch-up must pay back within the sequence's steps left, at most this
+KV_PEAK_WINDOW_S = 2.0  # EngineStats' KV peaks: the most in use at any step of this many seconds
 
 
 class LLMEngine:
@@ -86,6 +88,7 @@ class LLMEngine:
         # Engine-wide per-token acceptance a (engine/acceptance.py: decayed pooled counts).
         self.acceptance = AcceptanceEstimate(config.prior_acceptance, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self._steps_without_draft = 0
+        self._kv_marks: deque[tuple[float, int, int]] = deque()   # (time, target, draft blocks)
         self.seqs: dict[str, Sequence] = {}
         self.draft_swaps = 0
         self.detok: dict[str, Detokenizer] = {}
@@ -196,6 +199,7 @@ class LLMEngine:
         outputs = [self._output(seq, [], final=True) for seq in self.scheduler.take_truncated()]
         if not items:
             return outputs
+        self._mark_kv()
         # A draft that catches up on more than a step's worth of tokens (a prompt it has not
         # seen, or many tokens it skipped) prefills inside this step: not a decode step's cost.
         catch_up = max((len(it.seq.token_ids) - it.seq.draft_computed for it in items if it.k > 0),
@@ -346,16 +350,33 @@ class LLMEngine:
         self.draft_swaps += 1
 
     # ---- introspection ----------------------------------------------------------------------
+    def _mark_kv(self) -> None:
+        """Remember this step's KV in use (blocks are held from here to the step's end), so a
+        report shows the peak between two reports and not only the moment it is taken."""
+        now, used = time.monotonic(), self.pool.used_by
+        marks = self._kv_marks
+        marks.append((now, used["target"], used["draft"]))
+        while marks[0][0] < now - KV_PEAK_WINDOW_S:
+            marks.popleft()
+
+    def _kv_peaks(self) -> tuple[int, int]:
+        since, used = time.monotonic() - KV_PEAK_WINDOW_S, self.pool.used_by
+        recent = [m for m in self._kv_marks if m[0] >= since]
+        return (max([used["target"]] + [m[1] for m in recent]) * self.pool.block_bytes,
+                max([used["draft"]] + [m[2] for m in recent]) * self.pool.block_bytes)
+
     def stats(self) -> EngineStats:
         """This engine's load and what the router's policy needs (see `EngineStats`)."""
         s, pool = self.scheduler, self.pool
         measured = self.metrics.data.acceptance_rate
         per_token = pool.element_size
+        peak_target, peak_draft = self._kv_peaks()
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_speculative=sum(q.speculative for q in s.running),
             kv_budget_bytes=pool.budget_bytes, kv_used_target_bytes=pool.bytes_used("target"),
             kv_used_draft_bytes=pool.bytes_used("draft"),
+            kv_peak_target_bytes=peak_target, kv_peak_draft_bytes=peak_draft,
             target_kv_bytes_per_token=float(pool.target.elems_per_token * per_token),
             draft_kv_bytes_per_token=float(pool.draft.elems_per_token * per_token) if pool.draft else 0.0,
             context_tokens=sum(len(q.token_ids) for q in s.running),

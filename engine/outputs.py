@@ -56,6 +56,8 @@ class EngineStats:
     token_acceptance: float | None = None  # the engine's live per-token estimate a (None: none yet)
     speculating_acceptance: tuple[float, ...] = ()   # a of each speculating sequence
     time: float = 0.0                      # when measured (time.time() on the engine's host)
+    kv_peak_target_bytes: int = 0          # the most KV in use at any step of the last
+    kv_peak_draft_bytes: int = 0           # KV_PEAK_WINDOW_S (engine/llm_engine.py), now included
     available: bool = True                 # False: the engine loop died (being replaced)
 
     @property

@@ -171,6 +171,8 @@ def _tier_health(replicas: dict) -> dict:
             "kv_budget_bytes": sum(r.kv_budget_bytes for r in reps),
             "kv_used_target_bytes": sum(r.kv_used_target_bytes for r in reps),
             "kv_used_draft_bytes": sum(r.kv_used_draft_bytes for r in reps),
+            "kv_peak_target_bytes": sum(max(r.kv_peak_target_bytes, r.kv_used_target_bytes) for r in reps),
+            "kv_peak_draft_bytes": sum(max(r.kv_peak_draft_bytes, r.kv_used_draft_bytes) for r in reps),
             "token_acceptance": sum(acc) / len(acc) if acc else None,
             # what the replicas learnt while serving beyond their profiled step cost (the
             # per-sequence overhead and the draft's price factor): `simulate --scenario local-cpu`

@@ -191,6 +191,11 @@ class HealthSampler:
                 for key in ("kv_used_target_bytes", "kv_used_draft_bytes", "running", "waiting"):
                     if key in s:
                         p[f"peak_{key}"] = max(p.get(f"peak_{key}", 0), s[key])
+                # the replicas' own peaks between reports (a sample alone can miss a short run's)
+                for model in ("target", "draft"):
+                    if s.get(f"kv_peak_{model}_bytes") is not None:
+                        key = f"peak_kv_used_{model}_bytes"
+                        p[key] = max(p.get(key, 0), s[f"kv_peak_{model}_bytes"])
                 p["peak_kv_used_fraction"] = max(p.get("peak_kv_used_fraction", 0.0),
                                                  1.0 - s.get("kv_headroom", 1.0))
                 if s.get("token_acceptance") is not None:

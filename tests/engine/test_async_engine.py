@@ -118,3 +118,26 @@ def test_outputs_that_pile_up_go_out_as_one_with_nothing_lost(aengine):
     assert slow[-1].finished and not any(c.finished for c in slow[:-1])
     assert slow[-1].num_output_tokens == 40
     assert [c.num_output_tokens for c in slow] == sorted(c.num_output_tokens for c in slow)
+
+
+def test_stats_report_the_kv_peak_of_the_last_seconds_not_only_the_moment(tiny_family, monkeypatch):
+    """A request that came and went between two reports still shows in the KV peaks (the
+    bench's /health samples read 0 for a short run's draft KV once, session 22), and the peaks
+    forget it once it is older than the window."""
+    import engine.llm_engine as llm_engine
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(str(tiny_family["target"]), str(tiny_family["draft"]),
+                                    kv_budget_bytes=4 << 20, profile=False, num_threads=1,
+                                    adaptive_k=False))
+    engine.add_request("p", list(range(5, 45)), SamplingParams(temperature=0, max_tokens=6,
+                       ignore_eos=True), RequestOptions("speculative", k_max=3))
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats.kv_used_target_bytes == 0 and stats.kv_used_draft_bytes == 0
+    block = engine.pool.block_bytes
+    assert stats.kv_peak_target_bytes >= 3 * block and stats.kv_peak_draft_bytes >= block
+    monkeypatch.setattr(llm_engine, "KV_PEAK_WINDOW_S", 0.0)
+    stats = engine.stats()
+    assert stats.kv_peak_target_bytes == 0 and stats.kv_peak_draft_bytes == 0
