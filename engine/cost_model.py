@@ -166,10 +166,10 @@ CAL_SCALE_RANGE = (0.25, 4.0)
 PER_SEQ_PRIOR = 32.0       # ... draft_excess: per_seq_s's prior of 0, weighted as 32 batch-1 steps
 SCALE_RELAX = 0.02         # ... draft_excess: spec_scale's pull back to 1 per step nobody drafts
                            #     at another load than it was learnt at
-# The engine (and the simulator's engines) draft only where `choose_k` expects that to beat plain
-# decoding by this much: the model's error at large batch is about that (reference-py, batch 32,
-# k = 1: 55.9 ms priced, 52.7 measured), and it does not see what a closed batch loses to
-# sequences finishing unevenly (notes/issue10.md, session 22).
+# The engine drafts only where `choose_k` expects that to beat plain decoding by this much: the
+# model's error at large batch is about that (reference-py, batch 32, k = 1: 55.9 ms priced,
+# 52.7 measured), and it does not see what a closed batch loses to sequences finishing unevenly
+# (notes/issue10.md, session 22).
 MIN_GAIN = 0.05
 
 

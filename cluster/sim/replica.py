@@ -27,7 +27,7 @@ from cluster.sim.scenarios import Deployment, RequestSpec
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
-from engine.cost_model import MIN_GAIN, CalibratedCost, StepCostModel, choose_k
+from engine.cost_model import CalibratedCost, StepCostModel, choose_k
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from engine.outputs import EngineStats
 
@@ -294,9 +294,9 @@ class Replica:
             # the router's (`router.policy`). With the guard here, a baseline-mode sequence
             # vetoed draft rounds the engine runs, and always-adaptive was simulated 3-10%
             # slower than it serves (seed-4xa100, sharded draft, 8-28 users).
+            # Not yet as the engine: no min_gain, no no_split, no catch-up (notes/issue8.md).
             by_group = dict(zip(zip(accs, caps), choose_k(accs, caps, belief, ctx_b, extra_b,
-                                                          max_slowdown=None, min_gain=MIN_GAIN,
-                                                          no_split=True)))
+                                                          max_slowdown=None)))
             self._k_cache[key] = by_group
         return [by_group[g] for g in zip(accs, caps)]
 
