@@ -171,6 +171,8 @@ SCALE_RELAX = 0.02         # ... draft_excess: spec_scale's pull back to 1 per s
 # 52.7 measured), and it does not see what a closed batch loses to sequences finishing unevenly
 # (notes/issue10.md, session 22).
 MIN_GAIN = 0.05
+PAYBACK_STEPS = 32   # a draft's catch-up pays back within the sequence's steps left, at most this
+CATCH_UP_MAX = 3     # draft tokens to catch up on that still make a decode step (calibration's)
 
 
 @dataclass
@@ -491,6 +493,38 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
         best_ks = [0] * len(groups)
     by_group = dict(zip(groups, best_ks))
     return [by_group[key] for key in keys]
+
+
+def catch_up_prices(cost: StepCostModel, acceptance: Sequence[float],
+                    catch_up_tokens: Sequence[int], tokens_left: Sequence[int] | None,
+                    context_tokens: int) -> list[float] | None:
+    """`choose_k`'s catch_up_s as the engine prices it (None when no draft is behind).
+
+    A draft behind its sequence (never run: the whole context; stopped: what it skipped) feeds
+    those tokens once before it proposes: priced at the draft's cost a fed token at this batch,
+    spread over the steps the sequence has left to pay it back in (its tokens left at about
+    1 + a a step; None: many), at most PAYBACK_STEPS (the estimate that says drafting pays is
+    a noisy one near break-even; notes/issue10.md, sessions 21-22).
+    """
+    if not any(catch_up_tokens):
+        return None
+    b = len(acceptance)
+    per_token = max(0.0, cost.draft_s(b, 2 * b, context_tokens)
+                    - cost.draft_s(b, b, context_tokens)) / b
+    tokens_left = tokens_left or [2 * PAYBACK_STEPS] * b
+    return [n * per_token / min(PAYBACK_STEPS, max(1.0, t / (1.0 + a)))
+            for n, t, a in zip(catch_up_tokens, tokens_left, acceptance)]
+
+
+def engine_choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostModel,
+                    context_tokens: int, extra_tokens: int,
+                    catch_up_s: Sequence[float] | None = None) -> list[int]:
+    """k per sequence by the engine's rule (`LLMEngine._choose_k`, and the simulator's engines,
+    `cluster/sim/replica.py`, through this one function): pure goodput, since the latency guard
+    is the router's business (DESIGN.md: "k per step maximises goodput"), drafting only at
+    MIN_GAIN over plain decoding, and never a batch split into drafting and not."""
+    return choose_k(acceptance, k_max, cost, context_tokens, extra_tokens, max_slowdown=None,
+                    catch_up_s=catch_up_s, min_gain=MIN_GAIN, no_split=True)
 
 
 class _Memo:

@@ -17,7 +17,7 @@ import torch
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
-from engine.cost_model import MIN_GAIN, CalibratedCost, choose_k
+from engine.cost_model import CATCH_UP_MAX, CalibratedCost, catch_up_prices, engine_choose_k
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError
 from engine.faults import Faults, FaultyRunner
@@ -37,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
 PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
-CATCH_UP_MAX = 3        # draft tokens to catch up on that still make a decode step (see _calibrate)
-PAYBACK_STEPS = 32      # a draft's catch-up must pay back within the sequence's steps left, at most this
 KV_PEAK_WINDOW_S = 2.0  # EngineStats' KV peaks: the most in use at any step of this many seconds
 
 
@@ -115,23 +113,10 @@ class LLMEngine:
                   tokens_left: list[int] | None = None) -> list[int]:
         if not self.config.adaptive_k:
             return list(k_max)
-        # A draft behind its sequence (never run: the context; stopped: what it skipped) feeds
-        # those tokens before it proposes, once: priced at the draft's cost a fed token at this
-        # batch, spread over the steps it has to pay back in, the sequence's steps left at
-        # about 1 + a tokens a step, at most PAYBACK_STEPS (the estimate that says drafting pays
-        # is a noisy one near break-even; notes/issue10.md, sessions 21-22).
-        catch_up = None
-        if catch_up_tokens and any(catch_up_tokens):
-            b = len(acceptance)
-            per_token = max(0.0, self.cost.draft_s(b, 2 * b, context_tokens)
-                            - self.cost.draft_s(b, b, context_tokens)) / b
-            left = tokens_left or [PAYBACK_STEPS * 2] * b
-            catch_up = [n * per_token / min(PAYBACK_STEPS, max(1.0, t / (1.0 + a)))
-                        for n, t, a in zip(catch_up_tokens, left, acceptance)]
-        # Pure goodput (DESIGN.md: "k per step maximises goodput"); the latency guard
-        # (max_slowdown) is the router's business, which keeps slow-accepting requests baseline.
-        ks = choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens, max_slowdown=None,
-                      catch_up_s=catch_up, min_gain=MIN_GAIN, no_split=True)
+        # The engine's rule, which the simulator's engines share (engine/cost_model.py).
+        catch_up = (catch_up_prices(self.cost, acceptance, catch_up_tokens, tokens_left,
+                                    context_tokens) if catch_up_tokens else None)
+        ks = engine_choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens, catch_up)
         if any(ks):
             self._steps_without_draft = 0
             return ks

@@ -9,7 +9,9 @@ prefilled again later with the tokens they had). A request whose prompt + max_to
 fit the empty replica is refused.
 A step is up to k draft rounds then one target verify. Two cost models: `ReplicaConfig.cost`
 is the truth and times every step; the engine's belief (`believed`, default the truth) is a
-`CalibratedCost` that picks k (`engine.cost_model.choose_k`), calibrates on each decode step as
+`CalibratedCost` that picks k by the engine's own rule (`engine.cost_model.engine_choose_k`, with
+the draft's catch-up priced as the engine prices it: a draft reads its prompt in the sequence's
+first drafting step, and what it skipped in its next one), calibrates on each decode step as
 `LLMEngine` does, and is what `engine_stats` reports to the router. Each draft token at output
 position p of a request is accepted iff that request's u_p < a (every policy sees the same
 draws). Acceptance is estimated as the engine does (`engine/acceptance.py`).
@@ -27,7 +29,8 @@ from cluster.sim.scenarios import Deployment, RequestSpec
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
-from engine.cost_model import CalibratedCost, StepCostModel, choose_k
+from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, StepCostModel, catch_up_prices,
+                               engine_choose_k)
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from engine.outputs import EngineStats
 
@@ -114,7 +117,8 @@ class Seq:
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0  # steps ending on a rejection: accepted + rejected draft tokens were tried
-    lag: int = 0  # emitted tokens the draft has not yet read (steps run with k = 0)
+    lag: int = 0  # tokens the draft has not yet read: the prompt (the engine's draft first reads
+    #   it in the sequence's first drafting step), then tokens of steps run with k = 0
     preempted: int = 0
     admit_s: float | None = None
     first_token_s: float | None = None
@@ -264,15 +268,12 @@ class Replica:
         extra = sum(c for _, c in chunks)
         cost = self.cfg.cost
         seconds = cost.target_s(len(decode) + len(chunks), len(decode) + sum(ks) + extra, ctx)
-        draft_prefill = sum(c for s, c in chunks if s.speculative)
-        n_prefill = sum(1 for s, _ in chunks if s.speculative)
+        # A draft reads what it has not read (the prompt included) in its first round.
         catch_up = sum(s.lag for s, k in zip(decode, ks) if k)
-        for j in range(1, max(max(ks, default=0), 1 if draft_prefill else 0) + 1):
+        for j in range(1, max(ks, default=0) + 1):
             n_j = sum(1 for k in ks if k >= j)
-            first = j == 1
-            tokens = n_j + (draft_prefill + catch_up if first else 0)
-            seqs = n_j + (n_prefill if first else 0)
-            seconds += cost.draft_s(seqs, tokens, ctx * seqs // max(len(self.running), 1))
+            tokens = n_j + (catch_up if j == 1 else 0)
+            seconds += cost.draft_s(n_j, tokens, ctx * n_j // max(len(self.running), 1))
         return seconds
 
     def _choose_ks(self, decode: list[Seq], ctx: int, extra: int) -> list[int]:
@@ -286,25 +287,29 @@ class Replica:
         ctx_b, extra_b = ctx // 8192 * 8192 + 4096, extra // 256 * 256
         per_seq = round(self.belief.per_seq_s, 5)  # what the engine learnt, to a 10 us grid
         scale = round(self.belief.spec_scale, 2)  # ... and to a 1% grid
-        key = (frozenset(Counter(zip(accs, caps)).items()), ctx_b, extra_b, per_seq, scale)
+        belief = CalibratedCost(self.belief.base, per_seq, scale)
+        # k by the engine's own rule (`engine_choose_k`: pure goodput, the latency guard being
+        # the router's; MIN_GAIN; no split batches) with its catch-up price; the prices to two
+        # significant digits (cache key).
+        prices = catch_up_prices(belief, accs, [s.lag if c else 0 for s, c in zip(decode, caps)],
+                                 [s.spec.max_tokens - s.emitted for s in decode], ctx_b)
+        prices = [float(f"{p:.2g}") for p in prices] if prices else [0.0] * len(decode)
+        groups = list(zip(accs, caps, prices))
+        key = (frozenset(Counter(groups).items()), ctx_b, extra_b, per_seq, scale)
         by_group = self._k_cache.get(key)
         if by_group is None:
-            belief = CalibratedCost(self.belief.base, per_seq, scale)
-            # Pure goodput, as the engine picks k (`LLMEngine._choose_k`); the latency guard is
-            # the router's (`router.policy`). With the guard here, a baseline-mode sequence
-            # vetoed draft rounds the engine runs, and always-adaptive was simulated 3-10%
-            # slower than it serves (seed-4xa100, sharded draft, 8-28 users).
-            # Not yet as the engine: no min_gain, no no_split, no catch-up (notes/issue8.md).
-            by_group = dict(zip(zip(accs, caps), choose_k(accs, caps, belief, ctx_b, extra_b,
-                                                          max_slowdown=None)))
+            by_group = dict(zip(groups, engine_choose_k(accs, caps, belief, ctx_b, extra_b,
+                                                        prices if any(prices) else None)))
             self._k_cache[key] = by_group
-        return [by_group[g] for g in zip(accs, caps)]
+        return [by_group[g] for g in groups]
 
     def apply_step(self, now: float, seconds: float, decode: list[tuple[Seq, int]],
                    chunks: list[tuple[Seq, int]]) -> tuple[list[Seq], int]:
         """Emit the step's tokens at `now` (the step took `seconds`); return the finished
         sequences and the tokens emitted."""
-        if decode and not chunks:  # the engine calibrates its belief on decode steps
+        # The engine calibrates its belief on decode steps, not those where a draft reads a prompt.
+        reading = max((s.lag for s, k in decode if k), default=0)
+        if decode and not chunks and reading <= CATCH_UP_MAX:
             self.belief.calibrate([k for _, k in decode], sum(s.context for s, _ in decode), seconds)
         emitted = 0
         for s, k in decode:
@@ -326,6 +331,7 @@ class Replica:
             s.prefill_left -= c
             s.computed += c
             if not s.prefill_left:  # the prompt (or, after a preemption, everything) is in
+                s.lag = s.computed if s.speculative else 0   # the draft has read none of it
                 s.emitted += 1
                 emitted += 1
                 if s.first_token_s is None:

@@ -155,3 +155,73 @@ def test_the_simulated_engine_chooses_k_for_goodput_as_the_engine_does():
     accs = [round(s.estimate(a), 2) for s in decode]
     assert ks == choose_k(accs, [8, 8, 8, 8, 0], r.belief, 4096, 0, max_slowdown=None)
     assert all(k > 0 for k in ks[:4]) and ks[4] == 0
+
+
+def _decode_seqs(estimates: list[tuple[int, int]], speculative: int) -> list:
+    """Decoding sequences with (accepted, rejected) counts; the first `speculative` draft."""
+    from cluster.sim.replica import Seq
+    from cluster.sim.scenarios import RequestSpec
+
+    seqs = []
+    for i, (acc, rej) in enumerate(estimates):
+        spec = RequestSpec(i, 0, 16, 600, 1024, "chat", 0.9, 0.0, i)
+        s = Seq(spec, 0.0, speculative=i < speculative, k_cap=8 if i < speculative else 0)
+        s.accepted, s.rejected, s.computed, s.prefill_left = acc, rej, 100, 0
+        seqs.append(s)
+    return seqs
+
+
+def test_the_simulated_engine_keeps_the_engines_min_gain_and_never_splits_a_batch():
+    """k by the engine's rule (`engine_choose_k`): drafting only at MIN_GAIN over plain
+    decoding, and a batch never split into drafting and not (the ones left out finish later
+    and alone). The simulated engine used to solve goodput without either."""
+    from cluster.sim.replica import Replica
+    from engine.cost_model import choose_k
+
+    r = Replica(replica(LINEAR))   # c = 0.15, no cost a token: k = 1 gains (1 + a) / 1.15
+    # one sequence at a = 0.19 (gain 1.035) drafts under pure goodput, not under MIN_GAIN;
+    # at a = 0.22 (1.06) it does
+    assert r._choose_ks(_decode_seqs([(1900, 8100)], 1), 100, 0) == [0]
+    assert r._choose_ks(_decode_seqs([(2200, 7800)], 1), 100, 0) == [1]
+    # where tokens cost (1 ms a verified token, 0.3 ms a drafted one), a sequence at a = 0.05
+    # beside four at 0.9 does not pay for its draft token, and drafts one anyway
+    per_token = LinearStepCost(LinearCost(20e-3, 0.0, 1e-3), LinearCost(3e-3, 0.0, 0.3e-3))
+    r = Replica(replica(per_token))
+    seqs = _decode_seqs([(9000, 1000)] * 4 + [(500, 9500)], 5)
+    accs = [round(s.estimate(r.acceptance.value), 2) for s in seqs]
+    assert choose_k(accs, [8] * 5, per_token, 4096, 0, max_slowdown=None)[4] == 0
+    ks = r._choose_ks(seqs, 500, 0)
+    assert min(ks[:4]) > 1 and ks[4] == 1
+    # a baseline-mode sequence stays at k = 0 beside them
+    assert r._choose_ks(_decode_seqs([(9000, 1000)] * 4 + [(500, 9500)], 4), 500, 0)[4] == 0
+
+
+def test_a_simulated_draft_reads_its_prompt_in_its_first_drafting_step():
+    """As in the engine (`LLMEngine.step`: a draft that never ran feeds the whole context in
+    the sequence's first drafting step), the prompt step is the target's alone and the draft's
+    reading of the prompt is priced into the step that first drafts (`catch_up_prices`) and
+    timed there. The simulated engine used to prefill the draft in the prompt's step."""
+    from cluster.sim.replica import Replica, Seq
+    from cluster.sim.scenarios import RequestSpec
+
+    per_token = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.1e-3))
+    r = Replica(replica(per_token))
+    spec = RequestSpec(0, 0, 64, 600, 1024, "chat", 0.9, 0.0, 0)
+    seq = Seq(spec, 0.0, speculative=True, k_cap=8)
+    r.waiting.append(seq)
+    r.admit(0.0, 60.0)
+    seconds, decode, chunks = r.plan_step()
+    assert not decode and chunks == [(seq, 64)]
+    assert seconds == pytest.approx(20e-3)             # the target's prompt step only
+    r.apply_step(seconds, seconds, decode, chunks)
+    assert seq.lag == 64                                # the draft has read none of the prompt
+    seconds, decode, chunks = r.plan_step()
+    ((s, k),) = decode
+    assert k >= 1
+    draft = 3e-3 * k + 0.1e-3 * (k + 64)                # k rounds; the first also reads the prompt
+    assert seconds == pytest.approx(20e-3 + draft)
+    r.apply_step(2 * seconds, seconds, decode, chunks)
+    assert seq.lag == 0
+    seconds, decode, _ = r.plan_step()
+    ((s, k),) = decode
+    assert seconds == pytest.approx(20e-3 + 3e-3 * k + 0.1e-3 * k)

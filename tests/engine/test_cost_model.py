@@ -441,7 +441,7 @@ def test_the_engine_spreads_a_catch_up_over_the_steps_the_sequence_has_left(make
     """The same catch-up is worth paying for a sequence with many tokens left and not for one
     about to finish (session 22: a straggler stopped at batch 16 lagged further every step,
     and with the price spread over a fixed 8 steps never drafted again, even alone)."""
-    from engine.llm_engine import PAYBACK_STEPS
+    from engine.cost_model import PAYBACK_STEPS
 
     engine = _linear_engine(make_engine)
     a, n = 0.8, 8
@@ -454,6 +454,26 @@ def test_the_engine_spreads_a_catch_up_over_the_steps_the_sequence_has_left(make
     long_left = engine._choose_k([a] * n, [4] * n, 0, 0, [catch_up] * n, [400] * n)
     short_left = engine._choose_k([a] * n, [4] * n, 0, 0, [catch_up] * n, [4] * n)
     assert all(on_time) and long_left == on_time and short_left == [0] * n
+
+
+def test_the_engine_keeps_min_gain_and_never_splits_its_batch(make_engine):
+    """`LLMEngine._choose_k` takes the rule (`engine_choose_k`) the simulator's engines share:
+    a sequence that would not pay alone drafts one token beside seven that do, and a batch whose
+    drafting gains under MIN_GAIN does not draft."""
+    from engine.cost_model import MIN_GAIN
+
+    engine = _linear_engine(make_engine)
+    accs, caps = [0.9] * 7 + [0.0], [4] * 8
+    assert choose_k(accs, caps, LINEAR, max_slowdown=None)[7] == 0     # pure goodput splits
+    ks = engine._choose_k(accs, caps, 0, 0)
+    assert all(ks[:7]) and ks[7] == 1
+    n = 8
+    plain = n / step_s([0] * n, LINEAR)
+    for a, pays in ((0.2, False), (0.25, True), (0.45, True)):   # gains 3.7%, 8%, 26%
+        pure = choose_k([a] * n, [4] * n, LINEAR, max_slowdown=None)
+        gain = n * expected_tokens(a, pure[0]) / step_s(pure, LINEAR) / plain - 1.0
+        assert all(pure) and (gain >= MIN_GAIN) == pays
+        assert engine._choose_k([a] * n, [4] * n, 0, 0) == (pure if pays else [0] * n)
 
 
 def test_no_split_drafts_every_speculative_sequence_or_none():
