@@ -25,6 +25,7 @@ from router.wire import GenerateChunk, TierError, GenerateRequest
 logger = logging.getLogger(__name__)
 
 ENGINE_CLASS = "engine.async_engine:AsyncEngine"
+PROCESS_ENGINE_CLASS = "engine.engine_core:ProcessEngine"
 
 
 def simple_chat_prompt(messages: list[dict]) -> str:
@@ -43,6 +44,8 @@ class EngineServer:
         torch.set_num_threads(tier.num_threads)
         self.tier = tier
         config = tier.engine_config()
+        if tier.engine_process and engine_class == ENGINE_CLASS:
+            engine_class = PROCESS_ENGINE_CLASS
         engine_cls = import_object(engine_class) if isinstance(engine_class, str) else engine_class
         # peers: ranks 1..N-1 of a tensor-parallel target (engine.model_runner.Peers), or None.
         self.engine = engine_cls(config, peers=peers)
@@ -115,7 +118,7 @@ class EngineServer:
         see notes/issue12.md for why not a Serve rolling update). The drafts it replaced are kept
         as a stack: `rollback=True` returns to the previous one."""
         history = self.__dict__.setdefault("draft_history", [])
-        current = str(self.engine.engine.draft_model.path) if self.engine.engine.draft_model else None
+        current = self.engine.draft_path
         if current is None:
             raise TierError(400, "this replica runs no draft to swap")
         if rollback:
@@ -131,7 +134,7 @@ class EngineServer:
             raise TierError(400, str(exc)) from None
         history.pop() if rollback else history.append(current)
         logger.info("draft swapped: %s -> %s", current, path)
-        return {"previous": current, "draft": str(self.engine.engine.draft_model.path),
+        return {"previous": current, "draft": self.engine.draft_path,
                 "history": list(history), "pid": os.getpid(), "swapped": True}
 
     def __del__(self):

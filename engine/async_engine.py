@@ -49,25 +49,23 @@ class _Rejected:
         self.error = error
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig, peers=None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config, peers)
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
-        self._lock = threading.Lock()          # guards every touch of self.engine
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._inbox: deque = deque()         # ("add", ...) / ("abort", id): appended by any thread
-        self._lock_waiters = 0                 # threads waiting for the lock (the loop yields to them)
-        self._waiters_lock = threading.Lock()  # `+= 1` from several threads is not atomic
-        self._stop = False
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
-        self._thread.start()
+class StreamingFront:
+    """What the replica sees of an engine, wherever its step loop runs: `generate` streams a
+    request's outputs from an asyncio queue that the step loop's side fills (`_submit` hands
+    the request over; `abort` takes it back)."""
+
+    error: BaseException | None = None
 
     @property
     def is_alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        raise NotImplementedError
+
+    def _submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+                options: RequestOptions | None, stream: tuple) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        options: RequestOptions | None = None) -> AsyncIterator[RequestOutput]:
@@ -75,9 +73,8 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         queue: asyncio.Queue = asyncio.Queue()
-        stream = (asyncio.get_running_loop(), queue)
-        self._inbox.append(("add", request_id, list(prompt_token_ids), params, options, stream))
-        self._wake.set()
+        self._submit(request_id, list(prompt_token_ids), params, options,
+                     (asyncio.get_running_loop(), queue))
         finished, pending = False, None
         try:
             while not finished:
@@ -105,6 +102,36 @@ class AsyncEngine:
         finally:
             if not finished:                   # cancelled, disconnected or abandoned
                 self.abort(request_id)
+
+
+class AsyncEngine(StreamingFront):
+    def __init__(self, config: EngineConfig, peers=None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config, peers)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self._lock = threading.Lock()          # guards every touch of self.engine
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: deque = deque()         # ("add", ...) / ("abort", id): appended by any thread
+        self._lock_waiters = 0                 # threads waiting for the lock (the loop yields to them)
+        self._waiters_lock = threading.Lock()  # `+= 1` from several threads is not atomic
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def draft_path(self) -> str | None:
+        draft = self.engine.draft_model
+        return str(draft.path) if draft is not None else None
+
+    def _submit(self, request_id, prompt, params, options, stream) -> None:
+        self._inbox.append(("add", request_id, prompt, params, options, stream))
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         """Abort (its KV is freed before the engine's next step or stats read); never blocks."""

@@ -5,9 +5,12 @@ class PromptTooLongError(ValueError):
     """The prompt (plus one generated token) does not fit the context or the KV budget."""
 
     def __init__(self, num_tokens: int, limit: int, what: str = "the model's context length"):
-        self.num_tokens, self.limit = num_tokens, limit
+        self.num_tokens, self.limit, self.what = num_tokens, limit, what
         super().__init__(f"prompt has {num_tokens} tokens, but {what} allows at most {limit} "
                          f"(prompt + at least one new token)")
+
+    def __reduce__(self):          # crosses the engine process's pipe (engine/engine_core.py)
+        return type(self), (self.num_tokens, self.limit, self.what)
 
 
 class EngineOverloadedError(RuntimeError):

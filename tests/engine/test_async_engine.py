@@ -10,13 +10,31 @@ from engine.errors import PromptTooLongError
 from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
 
 
+def _config(family) -> EngineConfig:
+    return EngineConfig(str(family["target"]), str(family["draft"]), kv_budget_bytes=4 << 20,
+                        profile=False, num_threads=1, max_model_len=256)
+
+
 @pytest.fixture(scope="module")
-def aengine(tiny_family):
-    e = AsyncEngine(EngineConfig(str(tiny_family["target"]), str(tiny_family["draft"]),
-                                 kv_budget_bytes=4 << 20, profile=False, num_threads=1,
-                                 max_model_len=256))
+def thread_engine(tiny_family):
+    e = AsyncEngine(_config(tiny_family))
     yield e
     e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def process_engine(tiny_family):
+    from engine.engine_core import ProcessEngine
+
+    e = ProcessEngine(_config(tiny_family))
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(params=["thread", "process"])
+def aengine(request):
+    """The step loop on a thread of the caller's process, or in a process of its own."""
+    return request.getfixturevalue(f"{request.param}_engine")
 
 
 def test_streams_and_finishes(aengine):
@@ -73,10 +91,12 @@ def test_a_failed_request_gets_an_error_and_the_engine_serves_on(aengine):
     assert stats.kv_used_target_bytes == 0 and stats.num_running == 0
 
 
-def test_a_new_request_never_blocks_the_event_loop_behind_a_step(aengine):
+def test_a_new_request_never_blocks_the_event_loop_behind_a_step(thread_engine):
     """While a step holds the engine lock, `generate` queues its request and the event loop runs
     on (it used to take the lock itself, blocking every stream of the replica behind the step)."""
     import threading
+
+    aengine = thread_engine
 
     async def go():
         aengine._lock.acquire()                          # a long step is running
