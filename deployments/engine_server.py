@@ -44,7 +44,7 @@ class EngineServer:
         torch.set_num_threads(tier.num_threads)
         self.tier = tier
         config = tier.engine_config()
-        if tier.engine_process and engine_class == ENGINE_CLASS:
+        if tier.runs_engine_process and engine_class == ENGINE_CLASS:
             engine_class = PROCESS_ENGINE_CLASS
         engine_cls = import_object(engine_class) if isinstance(engine_class, str) else engine_class
         # peers: ranks 1..N-1 of a tensor-parallel target (engine.model_runner.Peers), or None.

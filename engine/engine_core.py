@@ -14,7 +14,7 @@ the first message.
 Protocol:
 - to the core: ("add", id, prompt, params, options), ("abort", id), ("call", n, method, args)
   for `stats` / `snapshot` / `inject_fault`, ("swap", n, path), ("stop",).
-- from the core: ("ready", tokenizer, max_model_len, draft_path), ("out", [RequestOutput]),
+- from the core: ("ready", tokenizer, max_model_len, draft_path, stats), ("out", [outputs]),
   ("rejected", id, error), ("reply", n, ok, value), ("dead", error, traceback).
 The core reads its inbox between steps (a new prompt joins the next step; an abort frees the KV
 before it) and blocks on it when idle. A reader thread in the replica routes outputs to the
@@ -75,7 +75,7 @@ def _core_main(conn: Connection) -> None:
         return
     draft = engine.draft_model
     outbox.send(("ready", engine.tokenizer, engine.max_model_len,
-                 str(draft.path) if draft is not None else None))
+                 str(draft.path) if draft is not None else None, engine.stats()))
     loaded: queue.Queue = queue.Queue()          # drafts loaded beside the loop, to swap in
 
     def load(n: int, path: str) -> None:
@@ -173,7 +173,8 @@ class ProcessEngine(StreamingFront):
             if msg is None:
                 raise EngineDeadError(f"the engine process did not start in {START_TIMEOUT_S:.0f} s")
             raise msg[1]                 # the engine's own error (a bad checkpoint, memory)
-        _, self.tokenizer, self.max_model_len, self.draft_path = msg
+        # The first stats too: a core dead before anyone asked still reports its budget.
+        _, self.tokenizer, self.max_model_len, self.draft_path, self._last_stats = msg
         self._reader = threading.Thread(target=self._read, name="specserve-engine-reader",
                                         daemon=True)
         self._reader.start()
@@ -225,8 +226,9 @@ class ProcessEngine(StreamingFront):
         return future.result(timeout)
 
     def stats(self) -> EngineStats:
-        if not self.is_alive and self._last_stats is not None:
-            return replace(self._last_stats, available=False)
+        if not self.is_alive:
+            return replace(self._last_stats, available=False, num_running=0, num_waiting=0,
+                           kv_used_target_bytes=0, kv_used_draft_bytes=0)
         stats = self._call("call", "stats", ())
         self._last_stats = stats
         return replace(stats, available=self.is_alive)

@@ -52,9 +52,10 @@ class TierModelConfig(_Strict):
         "them (the first token and the last go at once): every message up the serving path "
         "(Ray, ingress, proxy, client) costs CPU per request and step, so more than 1 trades "
         "smooth streaming for throughput under load, as vLLM's --stream-interval")
-    engine_process: bool = Field(False, description="run the step loop in a process of its own "
-        "(engine/engine_core.py), away from the replica's event loop, Ray's threads and the GIL; "
-        "tp_size 1 only")
+    engine_process: bool | None = Field(None, description="run the step loop in a process of "
+        "its own (engine/engine_core.py), away from the replica's event loop, Ray's threads and "
+        "the GIL; None: yes where tp_size is 1 (a tensor-parallel target's rank 0 drives its "
+        "peers in the replica's process)")
     max_ongoing_requests: int = Field(64, ge=1, description="Serve: concurrent requests per replica")
     max_queued_requests: int = Field(32, ge=1, description="Serve: queued requests per caller")
     engine_args: dict[str, Any] = Field(default_factory=dict,
@@ -74,11 +75,15 @@ class TierModelConfig(_Strict):
         unknown = set(self.engine_args) - known
         if unknown:
             raise ValueError(f"engine_args {sorted(unknown)} are not EngineConfig fields")
-        if self.engine_process and self.tp_size > 1:
+        if self.engine_process is True and self.tp_size > 1:
             raise ValueError("engine_process runs a tp_size 1 engine; a tensor-parallel target's "
                              "rank 0 drives its peers in the replica's process")
         self.engine_config()        # EngineConfig's own checks, at load time
         return self
+
+    @property
+    def runs_engine_process(self) -> bool:
+        return self.engine_process if self.engine_process is not None else self.tp_size == 1
 
     def engine_config(self) -> EngineConfig:
         """The engine's dataclass config for one replica of this tier. A served replica writes

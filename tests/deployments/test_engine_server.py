@@ -181,3 +181,29 @@ def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
         assert observer.next_replica("small") is busy
     finally:
         server.engine.shutdown()
+
+
+def test_a_tier_runs_its_engine_in_a_process_of_its_own_unless_told(small, tiny_family):
+    """The default since session 24: the step loop in a child process where tp_size is 1 (a
+    tensor-parallel target's rank 0 drives its peers in the replica's process)."""
+    import os
+
+    from pydantic import ValidationError
+
+    from engine.async_engine import AsyncEngine
+    from engine.engine_core import ProcessEngine
+
+    assert isinstance(small.engine, ProcessEngine) and small.engine.pid != os.getpid()
+    assert small.engine_alive
+    inproc = _server(SmallServer, tiny_family, engine_process=False)
+    try:
+        assert type(inproc.engine) is AsyncEngine
+        req = _request("same", prompt="def add(a, b):", sampling={"max_tokens": 6, "temperature": 0})
+        tokens = [[t for c in _collect(server, req) for t in c.token_ids] for server in (inproc, small)]
+        assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+    finally:
+        inproc.engine.shutdown()
+    model = str(tiny_family["target"])
+    assert not TierModelConfig(model=model, tp_size=2).runs_engine_process
+    with pytest.raises(ValidationError, match="engine_process"):
+        TierModelConfig(model=model, tp_size=2, engine_process=True)

@@ -117,6 +117,9 @@ def test_a_crashed_step_loop_fails_its_streams(tiny_family):
         with pytest.raises(EngineDeadError, match="injected fault"):
             asyncio.run(_collect(engine, "c", [5, 7, 9]))
         assert not engine.is_alive
+        # Never asked for stats while alive: still reports itself, unavailable and empty.
+        dead = engine.stats()
+        assert dead.available is False and dead.num_running == 0 and dead.kv_budget_bytes > 0
         engine.process.wait(timeout=30)                  # the core exits after reporting
     finally:
         engine.shutdown()
