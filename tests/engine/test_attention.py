@@ -339,4 +339,8 @@ def test_prompt_pieces_do_not_depend_on_the_chunks(dtype, heads, kv_heads, d, n,
     for cuts in trials:
         assert torch.equal(run([0] + cuts + [n], align), whole), cuts
         moved += not torch.equal(run([0] + cuts + [n], 1 << 30), run([0, n], 1 << 30))
-    assert moved > 0
+    # The test's power: chunk-wide SDPA calls do move rows, so equality above is the pieces'
+    # doing. On AVX2 CPUs they move at both shapes; on an AVX512/AMX Xeon (session 24) torch's
+    # SDPA kept the 300-token prompt's rows at every cut, so the check is made where both move.
+    if n >= 700:
+        assert moved > 0
