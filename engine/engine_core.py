@@ -154,18 +154,16 @@ class ProcessEngine(StreamingFront):
             [sys.executable, "-m", "engine.engine_core", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), env=env)
         theirs.close()                  # the core alone holds its end: either side's exit is EOF
-        self._conn = Connection(ours.detach())
-        self._to_core = self._from_core = self._conn
+        self._conn = Connection(ours.detach())      # both ways: sends locked, one reader
         self._send_lock = threading.Lock()
         self._streams: dict[str, tuple] = {}
         self._calls: dict[int, Future] = {}
         self._numbers = itertools.count()
-        self._last_stats: EngineStats | None = None
         self.error: BaseException | None = None
-        self._send(config)
         try:
-            msg = self._from_core.recv() if self._from_core.poll(START_TIMEOUT_S) else None
-        except EOFError:
+            self._send(config)          # a core that died at once: its EOF is read below
+            msg = self._conn.recv() if self._conn.poll(START_TIMEOUT_S) else None
+        except (EOFError, OSError):
             msg = ("dead", EngineDeadError(f"the engine process exited while starting (exit "
                                            f"code {self.process.wait()})"), "")
         if msg is None or msg[0] != "ready":
@@ -174,6 +172,7 @@ class ProcessEngine(StreamingFront):
                 raise EngineDeadError(f"the engine process did not start in {START_TIMEOUT_S:.0f} s")
             raise msg[1]                 # the engine's own error (a bad checkpoint, memory)
         # The first stats too: a core dead before anyone asked still reports its budget.
+        self._last_stats: EngineStats
         _, self.tokenizer, self.max_model_len, self.draft_path, self._last_stats = msg
         self._reader = threading.Thread(target=self._read, name="specserve-engine-reader",
                                         daemon=True)
@@ -190,7 +189,7 @@ class ProcessEngine(StreamingFront):
     # -- to the core --------------------------------------------------------------------------
     def _send(self, msg) -> None:
         with self._send_lock:
-            self._to_core.send(msg)
+            self._conn.send(msg)
 
     def _submit(self, request_id, prompt, params, options, stream) -> None:
         self._streams[request_id] = stream
@@ -261,7 +260,7 @@ class ProcessEngine(StreamingFront):
         error: BaseException | None = None
         try:
             while True:
-                msg = self._from_core.recv()
+                msg = self._conn.recv()
                 kind = msg[0]
                 if kind == "out":
                     self._route(msg[1])
