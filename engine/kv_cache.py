@@ -18,11 +18,19 @@ each, steps interleaved, notes/issue10.md). The allocator therefore keeps each s
 consecutive where it can (a new sequence goes to the middle of the largest free run; a sequence
 grows into the block after its last one when that is free).
 
+Within a block's run of a plane, rows are head-major, `[num_kv_heads, tokens_per_chunk,
+head_dim]` (vLLM's CPU cache orders a block so too): one KV head's keys of a block are one run,
+which the fused attention kernel reads front to back, where token-major rows had it take 1/heads
+of every token's row per pass (batch 32, 192 keys, reference-py, bf16, AMX Xeon, 2 threads: the
+kernel 678 against 944 us a layer, 400 keys 1414 against 2268; a batch-32 step ~1.05x faster;
+notes/issue10.md, session 25).
+
 Each model sees the pool through `layers(layout)`: per layer (K, V), each
-`[num_blocks, chunks, tokens_per_chunk, num_kv_heads, head_dim]`, a view. The plane count is a
-common multiple of both models' (layer, K/V) counts, so a target's and a draft's (layer, K/V)
-each own whole planes (`chunks` of them: 1 for a target whose layer count the draft's divides),
-and a block holds exactly `tokens_per_block` tokens of either model when the sizes allow.
+`[num_blocks, chunks, tokens_per_chunk, num_kv_heads, head_dim]`, a strided view. The plane
+count is a common multiple of both models' (layer, K/V) counts, so a target's and a draft's
+(layer, K/V) each own whole planes (`chunks` of them: 1 for a target whose layer count the
+draft's divides), and a block holds exactly `tokens_per_block` tokens of either model when the
+sizes allow.
 """
 
 from __future__ import annotations
@@ -115,7 +123,8 @@ class BlockPool:
     def layers(self, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each [num_blocks, chunks, tokens_per_chunk, num_kv_heads, head_dim],
         views of `pool`: (layer i, K/V c) is planes (2i + c) * chunks onwards. Token t of a block
-        is chunk t // tokens_per_chunk, row t % tokens_per_chunk."""
+        is chunk t // tokens_per_chunk, row t % tokens_per_chunk; in memory a chunk is
+        [num_kv_heads, tokens_per_chunk, head_dim] (head-major, see the module's doc)."""
         m = layout.chunks
         per_chunk = layout.tokens_per_block // m
         row = layout.num_kv_heads * layout.head_dim
@@ -125,8 +134,8 @@ class BlockPool:
             for c in (0, 1):
                 p = (2 * i + c) * m
                 part = self.pool[p:p + m, :, :per_chunk * row]
-                kv.append(part.unflatten(2, (per_chunk, layout.num_kv_heads, layout.head_dim))
-                          .transpose(0, 1))
+                kv.append(part.unflatten(2, (layout.num_kv_heads, per_chunk, layout.head_dim))
+                          .transpose(2, 3).transpose(0, 1))
             out.append((kv[0], kv[1]))
         return out
 
