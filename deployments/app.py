@@ -51,7 +51,7 @@ def _tier_options(tier: TierModelConfig, cfg: AppConfig) -> dict:
         bundle["GPU"] = tier.num_gpus_per_rank
     options = dict(
         num_replicas=tier.num_replicas,
-        max_ongoing_requests=tier.max_ongoing_requests,
+        max_ongoing_requests=tier.serve_max_ongoing,
         max_queued_requests=tier.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429,
                                                retry_after_s=cfg.limits.retry_after_s),

@@ -56,7 +56,9 @@ class TierModelConfig(_Strict):
         "its own (engine/engine_core.py), away from the replica's event loop, Ray's threads and "
         "the GIL; None: yes where tp_size is 1 (a tensor-parallel target's rank 0 drives its "
         "peers in the replica's process)")
-    max_ongoing_requests: int = Field(64, ge=1, description="Serve: concurrent requests per replica")
+    max_ongoing_requests: int | None = Field(None, ge=1, description="Serve: concurrent "
+        "requests per replica; None: the engine's own bound (max_num_seqs + max_waiting) and "
+        "room for requests in transit (`serve_max_ongoing`)")
     max_queued_requests: int = Field(32, ge=1, description="Serve: queued requests per caller")
     engine_args: dict[str, Any] = Field(default_factory=dict,
                                         description="more EngineConfig fields (adaptive_k, block_size, ...)")
@@ -80,6 +82,22 @@ class TierModelConfig(_Strict):
                              "rank 0 drives its peers in the replica's process")
         self.engine_config()        # EngineConfig's own checks, at load time
         return self
+
+    @property
+    def serve_max_ongoing(self) -> int:
+        """What a replica takes at once: by default all its engine holds (running and waiting)
+        plus a quarter of a batch (at least 4) in transit (being refused, or streaming their
+        last chunk after the engine let them go). So past saturation the engine's own queue
+        holds the backlog and refuses beyond it (429), cheaply, in order. With a replica bound
+        below the engine's, the replica filled first and the rest waited at the caller's Serve
+        handle, whose router polled the full replica for its queue length: at 1.6x the
+        closed-loop capacity (reference-py, `bench-http.yaml`, Poisson 16 req/s) the served
+        tokens halved, 320 against 657 tok/s at 32 closed-loop users, 390 requests refused;
+        with this bound 582 tok/s, 237 refused, p95 11.9 against 22.5 s (notes/issue8.md,
+        session 26)."""
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        return self.max_num_seqs + self.max_waiting + max(4, self.max_num_seqs // 4)
 
     @property
     def runs_engine_process(self) -> bool:

@@ -57,6 +57,23 @@ def test_llama2_70b_yaml_loads():
     assert not off.kv_resident
 
 
+@pytest.mark.parametrize("name", ["local.yaml", "bench-http.yaml", "llama2-70b-4xa100.yaml"])
+def test_a_replica_takes_all_its_engine_holds(name, tmp_path):
+    """Past saturation the engine's own queue holds the backlog and refuses beyond it: a Serve
+    replica bound below the engine's filled first, and the rest waited at the caller's handle,
+    whose router polled the full replica (served tokens halved at Poisson 16, session 26). So a
+    tier's Serve options take every request its engine runs and queues, plus some in transit."""
+    from deployments.app import _tier_options
+
+    cfg = load_config(CONFIGS / name, demo_dir=tmp_path)
+    for tier in filter(None, (cfg.target, cfg.small)):
+        limit = _tier_options(tier, cfg)["max_ongoing_requests"]
+        assert limit > tier.max_num_seqs + tier.max_waiting, (name, limit)
+        assert limit <= tier.max_num_seqs + tier.max_waiting + max(4, tier.max_num_seqs // 4)
+    explicit = TierModelConfig(model="/m", max_ongoing_requests=3)
+    assert _tier_options(explicit, cfg)["max_ongoing_requests"] == 3    # an explicit bound holds
+
+
 def test_bad_policy_or_engine_args_fail_when_the_config_loads(tmp_path):
     base = {"target": {"model": "/m"}}
     for policy, match in (({"k_max": -1}, "k_max"), ({"kmax": 3}, "kmax"),
