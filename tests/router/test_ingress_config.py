@@ -77,7 +77,7 @@ def test_a_replica_takes_all_its_engine_holds(name, tmp_path):
 def test_bad_policy_or_engine_args_fail_when_the_config_loads(tmp_path):
     base = {"target": {"model": "/m"}}
     for policy, match in (({"k_max": -1}, "k_max"), ({"kmax": 3}, "kmax"),
-                          ({"enter_gain": 1.0, "exit_gain": 1.1}, "exit_gain"),
+                          ({"min_gain": 0}, "min_gain"),
                           ({"queue_deep_enter": 2, "queue_deep_exit": 2}, "queue_deep"),
                           ({"default_acceptance": "high"}, "default_acceptance")):
         with pytest.raises(ValidationError, match=match):
