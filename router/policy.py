@@ -13,18 +13,18 @@ Rules, first match wins (reasons are machine-readable and returned to the caller
   queue deep (hysteresis)-> small if the caller allows a downgrade, else baseline   queue_deep
   plan standard          -> baseline   plan_standard
   plan auto              -> baseline   no_draft | kv_headroom | acceptance_low, else
-                           speculative speculation_pays: the request's class pays alone
-                           (`speculation_gain` of it alone >= min_gain), and the engine's
-                           adaptive k then decides each step, at every batch, whether and how
-                           far to draft (k = 0 is plain decoding).
-No load gate for auto beyond the queue and memory: a rule that sent auto to baseline when the
-predicted gain of the whole batch fell (`batch_large`, with hysteresis) was measured against
-always speculating with the engine's adaptive k and never paid. Through HTTP (reference-py, CPU,
-`bench serve`, session 26) it sent 70-100% of requests to baseline at 8 and 32 users and
-delivered 0.88-0.89x of always speculating (410 vs 360, 739 vs 657 tok/s); in the simulator
-(seed-4xa100, session 23) always-adaptive was at or above baseline at every load, and the gate
-cost 6% at 40 users. The engine's per-step k already stops drafting where verification stops
-paying; a router guessing the same from a second-hand cost model only lagged it.
+                           speculative speculation_pays: the request's class pays alone on the
+                           replica's profile (`speculation_gain` of it alone >= min_gain), and
+                           the engine's adaptive k then decides each step, at every batch,
+                           whether and how far to draft (k = 0 is plain decoding).
+No load gate for auto beyond the queue and memory. A rule that sent auto to baseline when the
+predicted gain of the whole batch fell (`batch_large`, with hysteresis) never paid against
+always speculating with the engine's adaptive k: in the simulator (seed-4xa100, session 23)
+always-adaptive was at or above baseline at every load and the gate cost 6% at 40 users. The
+engine's per-step k already stops drafting where verification stops paying; a router guessing
+the same from a second-hand cost model lags it. Through HTTP (reference-py, CPU, session 26)
+auto delivered 0.88-0.89x of always speculating at 8 and 32 users, sent to baseline by the
+per-request test priced with a load-learnt draft price (see `choose_tier`), now the profile's.
 The small tier is a quality trade: only economy, or a caller who set allow_downgrade, gets it.
 """
 
@@ -135,7 +135,16 @@ def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
     if blocked:
         return Decision("baseline", 0, blocked, state)
     a = target.acceptance_by_class.get(request.prompt_class, config.default_acceptance)
-    alone = speculation_gain(target, a, config.k_max, request.prompt_tokens, request.max_tokens, alone=True)
+    # Whether this class's acceptance pays for drafting, priced at the replica's profile: what
+    # a replica learns while serving (`CalibratedCost`: the draft's price factor, the per-
+    # sequence overhead) describes the batches it ran, and is the engine's to act on per step.
+    # Priced with it, a draft price learnt at 8-32 users (3.6-4.0x the profile) made a lone
+    # request look unpaying, every auto request went to baseline (`acceptance_low`), no
+    # sequence drafted, so the price was never measured again and stayed: 0.88-0.89x of always
+    # speculating at 8 and 32 users (notes/issue8.md, session 26).
+    profiled = replace(target, cost=getattr(target.cost, "base", target.cost))
+    alone = speculation_gain(profiled, a, config.k_max, request.prompt_tokens, request.max_tokens,
+                             alone=True)
     if alone < config.min_gain:
         return Decision("baseline", 0, "acceptance_low", state)
     return Decision("speculative", config.k_max, "speculation_pays", state)
