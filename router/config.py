@@ -93,8 +93,8 @@ class TierModelConfig(_Strict):
         handle, whose router polled the full replica for its queue length: at 1.6x the
         closed-loop capacity (reference-py, `bench-http.yaml`, Poisson 16 req/s) the served
         tokens halved, 320 against 657 tok/s at 32 closed-loop users, 390 requests refused;
-        with this bound 582 tok/s, 237 refused, p95 11.9 against 22.5 s (notes/issue8.md,
-        session 26)."""
+        with a bound above the engine's (100) 582 tok/s, 237 refused, p95 11.9 against 22.5 s,
+        and 564 tok/s with this default (104) in a later run (notes/issue8.md, session 26)."""
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
         return self.max_num_seqs + self.max_waiting + max(4, self.max_num_seqs // 4)
