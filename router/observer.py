@@ -8,7 +8,7 @@ simulator's policy sees exactly what a live router could see, never the simulato
   report(replica_id, EngineStats, kind)     a replica's latest stats (kind: target | small)
   finished(tier, prompt_class, outcome)     a request ended: acceptance per prompt class (the
                                             one estimator, engine/acceptance.py), recent
-                                            acceptance samples and prompt and output lengths
+                                            acceptance samples and output lengths
   cluster_stats() -> ClusterStats           each tier as its next replica (the least loaded)
                                             will meet a new request
 
@@ -54,7 +54,7 @@ class Observer:
         self.num_queued: dict[str, int] = {k: 0 for k in kinds}   # held by this caller, unsent
         self.by_class: dict[str, AcceptanceEstimate] = {}
         self.samples: deque[float] = deque(maxlen=RECENT_REQUESTS)
-        self.lengths: deque[tuple[int, int]] = deque(maxlen=RECENT_REQUESTS)
+        self.output_lengths: deque[int] = deque(maxlen=RECENT_REQUESTS)
         self.prices: dict[tuple[str, str], deque] = {}     # (kind, replica) -> (time, spec_scale)
 
     # -- in -----------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ class Observer:
 
     def finished(self, tier: str, prompt_class: str, outcome: RequestOutcome) -> None:
         if tier != "small":
-            self.lengths.append((outcome.prompt_tokens, outcome.output_tokens))
+            self.output_lengths.append(outcome.output_tokens)
         if tier != "speculative" or outcome.draft_trials <= 0:
             return
         estimate = self.by_class.get(prompt_class)
@@ -143,7 +143,7 @@ class Observer:
             return TierStats(queue_depth=queued)
         replica_id = next(r for r, x in self.replicas[kind].items() if x is s)
         draft_kv = s.draft_kv_bytes_per_token if kind == "target" else 0.0
-        n = len(self.lengths)
+        n = len(self.output_lengths)
         return TierStats(
             decode_batch_size=s.num_running, num_speculating=min(s.num_speculative, s.num_running),
             speculating_acceptance=tuple(s.speculating_acceptance),
@@ -153,8 +153,7 @@ class Observer:
             draft_kv_bytes_per_token=draft_kv, context_tokens=s.context_tokens,
             acceptance_by_class=self.acceptance_by_class() if kind == "target" else {},
             acceptance_samples=tuple(self.samples),
-            mean_prompt_tokens=sum(p for p, _ in self.lengths) / n if n else 0.0,
-            mean_output_tokens=sum(o for _, o in self.lengths) / n if n else 0.0,
+            mean_output_tokens=sum(self.output_lengths) / n if n else 0.0,
             cost=self._cost(kind, replica_id, s) if draft_kv > 0 else None)
 
 

@@ -33,7 +33,6 @@ class TierStats:
     #   (accepted / (accepted + rejections), not the dashboard's accepted / drafted) per class
     acceptance_samples: tuple[float, ...] = ()  # a of recently finished speculative requests,
     #   one each: the spread the policy needs to foresee a batch's lowest acceptance
-    mean_prompt_tokens: float = 0.0  # recent mean prompt length (0: unknown, use the request's)
     mean_output_tokens: float = 0.0  # recent mean output length (0: unknown, use max_tokens)
     cost: StepCostModel | None = None  # step-time model; None: no draft, cannot speculate
 

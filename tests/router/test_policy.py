@@ -17,7 +17,7 @@ LINEAR = LinearStepCost(LinearCost(20e-3, 0.0, 2e-4), LinearCost(2e-3, 0.0, 1e-6
 def target(**kw) -> TierStats:
     base = dict(decode_batch_size=0, kv_headroom_bytes=40 * GiB, kv_budget_bytes=40 * GiB,
                 target_kv_bytes_per_token=81920.0, draft_kv_bytes_per_token=131072.0,
-                acceptance_by_class={"chat": 0.6, "code": 0.7}, mean_prompt_tokens=500,
+                acceptance_by_class={"chat": 0.6, "code": 0.7},
                 mean_output_tokens=300, cost=SHARDED)
     return TierStats(**{**base, **kw})
 
@@ -34,31 +34,31 @@ def req(**kw) -> TierRequest:
     return TierRequest(**{**dict(prompt_tokens=500, max_tokens=512), **kw})
 
 
-SPECULATING = PolicyState()
+STATE = PolicyState()
 
 # (request, stats, state, tier, reason)
 TABLE = [
-    (req(speculation="off"), cluster(), SPECULATING, "baseline", "speculation_off"),
-    (req(plan="premium", speculation="off"), cluster(), SPECULATING, "baseline", "speculation_off"),
-    (req(plan="economy"), cluster(), SPECULATING, "small", "plan_economy"),
-    (req(plan="premium"), cluster(decode_batch_size=63), SPECULATING, "speculative", "plan_premium"),
-    (req(plan="standard", speculation="on"), cluster(), SPECULATING, "speculative", "speculation_on"),
-    (req(plan="premium"), cluster(kv_headroom_bytes=1 * GiB), SPECULATING, "baseline", "kv_headroom"),
-    (req(), cluster(cost=None), SPECULATING, "baseline", "no_draft"),
-    (req(), cluster(draft_kv_bytes_per_token=0.0), SPECULATING, "baseline", "no_draft"),
-    (req(), cluster(kv_headroom_bytes=4 * GiB), SPECULATING, "baseline", "kv_headroom"),
-    (req(), cluster(queue_depth=20), SPECULATING, "baseline", "queue_deep"),
-    (req(allow_downgrade=True), cluster(queue_depth=20), SPECULATING, "small", "queue_deep"),
-    (req(allow_downgrade=True), cluster(small_queue=None, queue_depth=20), SPECULATING,
+    (req(speculation="off"), cluster(), STATE, "baseline", "speculation_off"),
+    (req(plan="premium", speculation="off"), cluster(), STATE, "baseline", "speculation_off"),
+    (req(plan="economy"), cluster(), STATE, "small", "plan_economy"),
+    (req(plan="premium"), cluster(decode_batch_size=63), STATE, "speculative", "plan_premium"),
+    (req(plan="standard", speculation="on"), cluster(), STATE, "speculative", "speculation_on"),
+    (req(plan="premium"), cluster(kv_headroom_bytes=1 * GiB), STATE, "baseline", "kv_headroom"),
+    (req(), cluster(cost=None), STATE, "baseline", "no_draft"),
+    (req(), cluster(draft_kv_bytes_per_token=0.0), STATE, "baseline", "no_draft"),
+    (req(), cluster(kv_headroom_bytes=4 * GiB), STATE, "baseline", "kv_headroom"),
+    (req(), cluster(queue_depth=20), STATE, "baseline", "queue_deep"),
+    (req(allow_downgrade=True), cluster(queue_depth=20), STATE, "small", "queue_deep"),
+    (req(allow_downgrade=True), cluster(small_queue=None, queue_depth=20), STATE,
      "baseline", "queue_deep"),
-    (req(plan="standard"), cluster(), SPECULATING, "baseline", "plan_standard"),
-    (req(prompt_class="creative"), cluster(acceptance_by_class={"creative": 0.03}), SPECULATING,
+    (req(plan="standard"), cluster(), STATE, "baseline", "plan_standard"),
+    (req(prompt_class="creative"), cluster(acceptance_by_class={"creative": 0.03}), STATE,
      "baseline", "acceptance_low"),
     (req(), cluster(decode_batch_size=200, context_tokens=200 * 800,
-                    acceptance_samples=tuple(i / 100 for i in range(5, 95))), SPECULATING,
+                    acceptance_samples=tuple(i / 100 for i in range(5, 95))), STATE,
      "speculative", "speculation_pays"),
-    (req(), cluster(), SPECULATING, "speculative", "speculation_pays"),
-    (req(), cluster(decode_batch_size=8, num_speculating=8, context_tokens=8 * 800), SPECULATING,
+    (req(), cluster(), STATE, "speculative", "speculation_pays"),
+    (req(), cluster(decode_batch_size=8, num_speculating=8, context_tokens=8 * 800), STATE,
      "speculative", "speculation_pays"),
 ]
 
