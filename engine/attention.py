@@ -15,8 +15,8 @@ Queries arrive flat, `[num_tokens, num_heads, head_dim]`, sequence after sequenc
 grouped by how many query tokens they bring (decode: 1; verify: 2..VERIFY_MAX; prefill chunks:
 more), and each group is ONE attention call per layer. With `attention: fused` (the default;
 CPU), every decode and verify group, a single sequence included, runs one fused kernel
-(`engine/cpu_attention.py`) that reads its blocks in place through a block table and a per-row
-mask (key j is visible to query i of sequence b iff j <= cached_b + i). Otherwise the group's
+(`engine/cpu_attention.py`) that reads its blocks in place through a block table and each row's
+number of visible keys (key j is visible to query i of sequence b iff j <= cached_b + i). Otherwise the group's
 blocks are copied (block by block, into a reused buffer) into a padded `[batch, keys]` view and
 one batched SDPA runs with the same mask. A prompt chunk the scheduler marks (`prefill_align`)
 runs apart, in pieces cut at fixed multiples, one SDPA call each (`_Prefill`: a prompt's KV
@@ -111,25 +111,22 @@ class _Group(_Gathers):
         # slot holds a finite value (the pool zeroes the blocks it hands out), so weight 0 * v
         # is 0 whichever path reads it.
         nb = -(-self.lk // tpb)
-        if fused:
-            # At least two blocks: torch.compile specialises a dimension of size 1, and a new
-            # specialisation is a compile (seconds) in the middle of serving (a TP rank that
-            # compiled missed its liveness ping). The padding block is masked.
-            nb = max(nb, 2)
-        self.blocks = torch.tensor([s.block_table[:nb] + s.block_table[:1] * (nb - len(s.block_table[:nb]))
-                                    for s in ss], dtype=torch.long, device=device)
+        table = [s.block_table[:nb] + s.block_table[:1] * (nb - len(s.block_table[:nb])) for s in ss]
+        self.blocks = torch.tensor(table, dtype=torch.long, device=device)
         if self.single:
             return
+        # The kernel reads the pool at these ids unchecked: the highest is checked against the
+        # pool's size per call (`_fused`), as torch's indexing checks it on the SDPA path.
+        self.top = max(max(t) for t in table)
         start = torch.tensor([starts[i] for i in members], dtype=torch.long, device=device)
         nq_t = torch.tensor(nq, dtype=torch.long, device=device)
         cached = torch.tensor([s.num_cached for s in ss], dtype=torch.long, device=device)
         i = torch.minimum(torch.arange(self.qmax, device=device)[None, :], (nq_t - 1)[:, None])
         self.q_index = (start[:, None] + i).flatten()                # [b * qmax]; pads repeat a row
-        # visible[b, i, j]: key j to query i of sequence b; keys run to whole blocks for the
-        # fused kernel, to the longest sequence for SDPA.
-        j = torch.arange(nb * tpb if fused else self.lk, device=device)
-        visible = j[None, None, :] <= (cached[:, None] + i)[:, :, None]
-        self.mask = visible if fused else visible[:, None]           # [b, q, keys] / [b, 1, q, lk]
+        # Query i of sequence b sees its keys 0 .. lens[b, i] - 1 (the fused kernel's form);
+        # SDPA takes that as a mask over the longest sequence's keys.
+        self.lens = cached[:, None] + i + 1                          # [b, qmax]
+        self.mask = None if fused else self._mask()
         if self.qmax == 1:
             self.valid, self.rows = None, self.q_index
         else:
@@ -149,7 +146,7 @@ class _Group(_Gathers):
         o = self._fused(q, k_cache, v_cache, scale) if self.fused else None
         if o is None:
             if self.fused:                       # the kernel cannot be built here: SDPA from now on
-                self.fused, self.mask = False, self.mask[:, None, :, :self.lk]
+                self.fused, self.mask = False, self._mask()
             query = q.index_select(0, self.q_index).view(self.batch, self.qmax, *q.shape[1:])
             o = F.scaled_dot_product_attention(query.transpose(1, 2).to(compute),
                                                self._gather(k_cache, workspace, "k", compute),
@@ -160,11 +157,18 @@ class _Group(_Gathers):
             o = o.index_select(0, self.valid)
         out.index_copy_(0, self.rows, o)
 
+    def _mask(self) -> torch.Tensor:
+        """[b, 1, qmax, lk]: key j visible to query i of sequence b (SDPA's form of `lens`)."""
+        j = torch.arange(self.lk, device=self.lens.device)
+        return (j[None, None, :] < self.lens[:, :, None])[:, None]
+
     def _fused(self, q, k_cache, v_cache, scale) -> torch.Tensor | None:
         """[b * qmax, heads, d] from the fused kernel, or None where it cannot run here."""
         kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
+        if self.top >= k_cache.shape[0]:
+            raise IndexError(f"block {self.top} outside a pool of {k_cache.shape[0]} blocks")
         query = q.index_select(0, self.q_index).view(self.batch, self.qmax, kv_heads, -1, d)
-        o = paged_attention(query, k_cache, v_cache, self.blocks, self.mask, scale)
+        o = paged_attention(query, k_cache, v_cache, self.blocks, self.lens, scale)
         return None if o is None else o.view(-1, *q.shape[1:])
 
 

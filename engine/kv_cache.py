@@ -18,12 +18,16 @@ each, steps interleaved, notes/issue10.md). The allocator therefore keeps each s
 consecutive where it can (a new sequence goes to the middle of the largest free run; a sequence
 grows into the block after its last one when that is free).
 
-Within a block's run of a plane, rows are head-major, `[num_kv_heads, tokens_per_chunk,
-head_dim]` (vLLM's CPU cache orders a block so too): one KV head's keys of a block are one run,
-which the fused attention kernel reads front to back, where token-major rows had it take 1/heads
-of every token's row per pass (batch 32, 192 keys, reference-py, bf16, AMX Xeon, 2 threads: the
-kernel 678 against 944 us a layer, 400 keys 1414 against 2268; a batch-32 step ~1.05x faster;
-notes/issue10.md, session 25).
+Within a block's run of a plane, rows are head-major (vLLM's CPU cache orders a block so too):
+one KV head's keys of a block are one run, which the attention kernel reads front to back, where
+token-major rows had it take 1/heads of every token's row per pass (batch 32, 192 keys,
+reference-py, bf16, AMX Xeon, 2 threads: the kernel 678 against 944 us a layer, 400 keys 1414
+against 2268; a batch-32 step ~1.05x faster; notes/issue10.md, session 25). Values are
+`[num_kv_heads, tokens_per_chunk, head_dim]`; keys are d-major within their head,
+`[num_kv_heads, head_dim, tokens_per_chunk]`, so that the kernel scores a vector's width of keys
+at once, accumulating over the head dimension, with no horizontal sum per key
+(`engine/cpu_attention.py`; session 27). A token's key is written as head_dim strided elements;
+one token a step per sequence, against every key read every step.
 
 Each model sees the pool through `layers(layout)`: per layer (K, V), each
 `[num_blocks, chunks, tokens_per_chunk, num_kv_heads, head_dim]`, a strided view. The plane
@@ -123,20 +127,19 @@ class BlockPool:
     def layers(self, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each [num_blocks, chunks, tokens_per_chunk, num_kv_heads, head_dim],
         views of `pool`: (layer i, K/V c) is planes (2i + c) * chunks onwards. Token t of a block
-        is chunk t // tokens_per_chunk, row t % tokens_per_chunk; in memory a chunk is
-        [num_kv_heads, tokens_per_chunk, head_dim] (head-major, see the module's doc)."""
+        is chunk t // tokens_per_chunk, row t % tokens_per_chunk; in memory a chunk of values is
+        [num_kv_heads, tokens_per_chunk, head_dim] and of keys [num_kv_heads, head_dim,
+        tokens_per_chunk] (head-major, keys d-major: see the module's doc)."""
         m = layout.chunks
         per_chunk = layout.tokens_per_block // m
         row = layout.num_kv_heads * layout.head_dim
         out = []
+        heads, d = layout.num_kv_heads, layout.head_dim
         for i in range(layout.num_layers):
-            kv = []
-            for c in (0, 1):
-                p = (2 * i + c) * m
-                part = self.pool[p:p + m, :, :per_chunk * row]
-                kv.append(part.unflatten(2, (layout.num_kv_heads, per_chunk, layout.head_dim))
-                          .transpose(2, 3).transpose(0, 1))
-            out.append((kv[0], kv[1]))
+            k = self.pool[2 * i * m:(2 * i + 1) * m, :, :per_chunk * row]
+            v = self.pool[(2 * i + 1) * m:(2 * i + 2) * m, :, :per_chunk * row]
+            out.append((k.unflatten(2, (heads, d, per_chunk)).permute(1, 0, 4, 2, 3),
+                        v.unflatten(2, (heads, per_chunk, d)).permute(1, 0, 3, 2, 4)))
         return out
 
     # ---- allocation -------------------------------------------------------------------------

@@ -44,28 +44,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _build_fused(self) -> None:
-        """Compile the fused kernel for this model's shapes now (decode, and verify's several
-        query tokens; one sequence and several), not in the middle of serving: a cold compile
-        takes ~10 s (then inductor's on-disk cache brings it to ~1-2 s a process). Sizes are
-        distinct and above 1 where they are to stay symbolic (3 sequences, 2 blocks, 5 query
-        tokens): torch.compile specialises a size of 1 (one sequence and one query token are
-        graphs of their own, built here too) and may tie equal sizes to one symbol, either of
-        which would mean a compile while serving. Groups always bring >= 2 blocks
-        (engine/attention.py)."""
+        """Build the fused kernel for this model's dtype and head size now (a cold build takes
+        ~5-20 s; inductor's on-disk cache then brings it to well under a second a process), not
+        in the middle of serving, and find out whether it can be built here at all."""
         k_cache, v_cache = self.layers[0]
         kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
-        tpb = k_cache.shape[1] * k_cache.shape[2]
         group = self.forward.shape.num_heads // kv_heads
-        for num_seqs in (3, 1):
-            blocks = torch.zeros(num_seqs, 2, dtype=torch.long, device=self.device)
-            for num_query in (1, 5):
-                q = torch.zeros(num_seqs, num_query, kv_heads, group, d, dtype=k_cache.dtype,
-                                device=self.device)
-                mask = torch.ones(num_seqs, num_query, 2 * tpb, dtype=torch.bool,
-                                  device=self.device)
-                if paged_attention(q, k_cache, v_cache, blocks, mask, self.scale) is None:
-                    self.fused = False               # cannot build it here: gather + SDPA
-                    return
+        q = torch.zeros(1, 1, kv_heads, group, d, dtype=k_cache.dtype, device=self.device)
+        blocks = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        lens = torch.ones(1, 1, dtype=torch.long, device=self.device)
+        if paged_attention(q, k_cache, v_cache, blocks, lens, self.scale) is None:
+            self.fused = False                       # cannot build it here: gather + SDPA
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],

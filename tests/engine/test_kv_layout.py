@@ -69,8 +69,12 @@ def test_a_heads_keys_of_a_block_are_one_run(target, draft):
             for t in (kc, vc):
                 for h in range(layout.num_kv_heads):
                     assert _one_run(t[3, 0, :, h])                # [tokens_per_chunk, head_dim]
-                if layout.num_kv_heads > 1:
-                    assert t.stride(2) == layout.head_dim         # the next token, same head
+            # values row by row (the next token, same head, one row on); keys d-major (the
+            # next token is the next element, the next dim a chunk's tokens on), so that the
+            # kernel scores a vector of keys at once (session 27)
+            per_chunk = kc.shape[2]
+            assert vc.stride(2) == layout.head_dim and vc.stride(4) == 1
+            assert kc.stride(2) == 1 and kc.stride(4) == per_chunk
 
 
 def _resident_bytes() -> int:
