@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_attention import paged_attention
+from engine.cpu_attention import paged_attention, write_kv
 
 VERIFY_MAX = 17          # query tokens up to this are grouped with speculative verifies
 
@@ -294,11 +294,22 @@ class PagedAttention:
         offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self.slots = (torch.tensor(blocks, dtype=torch.long, device=device),
                       offsets // per_chunk, offsets % per_chunk)     # block, chunk, row
+        # With the CPU kernels: each new token's element offset in every layer's views (they
+        # share their strides), for `write_kv`; the highest block checked against the pool.
+        self.offsets, self.top = None, max(blocks, default=0)
+        if fused and device.type == "cpu":
+            v_cache = layers[0][1]
+            self.offsets = tuple(
+                self.slots[0] * t.stride(0) + self.slots[1] * t.stride(1) + self.slots[2] * t.stride(2)
+                for t in (k_cache, v_cache))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.layers[layer]
-        k_cache.index_put_(self.slots, k)
-        v_cache.index_put_(self.slots, v)
+        if self.top >= k_cache.shape[0]:
+            raise IndexError(f"block {self.top} outside a pool of {k_cache.shape[0]} blocks")
+        if self.offsets is None or not write_kv(k, v, k_cache, v_cache, *self.offsets):
+            k_cache.index_put_(self.slots, k)
+            v_cache.index_put_(self.slots, v)
         out = torch.empty_like(q)
         for g in self.groups:
             g.run(q, k, v, k_cache, v_cache, out, self.scale, self.workspace, self.compute)

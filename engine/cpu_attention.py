@@ -209,6 +209,31 @@ extern "C" void kernel(const T* q, const T* kc, const T* vc, const int64_t* bloc
 }
 '''
 
+# The new tokens' keys and values into the pool, one call a layer for both (two `index_put_`
+# calls cost ~26 us each, 24 a step in a 12-layer model: ~0.6 ms of a batch-1 step). Token t's
+# rows go to element offsets koff[t] / voff[t] of the layer's views; a key's dims are sd apart
+# (d-major), a value's adjacent.
+_WRITE_SOURCE = r'''
+#include <torch/csrc/inductor/cpp_prefix.h>
+using T = @T@;
+extern "C" void kernel(const T* k, const T* v, T* kc, T* vc, const int64_t* koff,
+                       const int64_t* voff, const int64_t n, const int64_t heads, const int64_t d,
+                       const int64_t k_row, const int64_t v_row, const int64_t sh,
+                       const int64_t sd, const int64_t vsh) {
+    #pragma omp parallel for if (n > 64)
+    for (int64_t t = 0; t < n; ++t) {
+        const T* kr = k + t * k_row;
+        const T* vr = v + t * v_row;
+        T* kd = kc + koff[t];
+        T* vd = vc + voff[t];
+        for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t j = 0; j < d; ++j) kd[h * sh + j * sd] = kr[h * d + j];
+            std::memcpy(vd + h * vsh, vr + h * d, d * sizeof(T));
+        }
+    }
+}
+'''
+
 _C_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16", torch.float16: "at::Half"}
 
 
@@ -226,26 +251,52 @@ def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
     return torch.einsum("bqhgk,bkhd->bqhgd", s.softmax(-1), v).to(q.dtype)
 
 
-class _Kernel:
+class _Built:
+    """C++ sources built once per (source, dtype, head size) in this process; `failed` keeps
+    why building failed here (no compiler, an unsupported platform), after which callers take
+    their torch path."""
+
     def __init__(self):
         self._lock = threading.Lock()
-        self._built: dict[tuple, object] = {}
+        self._fns: dict[tuple, object] = {}
         self.failed: str | None = None
 
-    def enabled(self) -> bool:
-        return self.failed is None
+    def get(self, name: str, source: str, args: list[str], dtype: torch.dtype, d: int = 0):
+        """The built function, or None where building fails here (logged once)."""
+        key = (name, dtype, d)
+        fn = self._fns.get(key)
+        if fn is not None or self.failed is not None:
+            return fn
+        try:
+            with self._lock:
+                if key not in self._fns:
+                    # imported here: inductor's modules cost ~1 s to import, paid on first use
+                    from torch._inductor.codecache import CppPythonBindingsCodeCache
+                    c_type = _C_TYPES[dtype]
+                    code = source.replace("@T@", c_type).replace("@D@", str(d))
+                    types = [a.replace("T", c_type) if a.startswith(("T", "const T")) else a
+                             for a in args]
+                    self._fns[key] = CppPythonBindingsCodeCache.load_pybinding(types, code)
+                return self._fns[key]
+        except Exception as e:
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("CPU attention kernels unavailable (%s); using gather + SDPA", self.failed)
+            return None
 
-    def _build(self, dtype: torch.dtype, d: int):
-        with self._lock:
-            if (dtype, d) not in self._built:
-                # imported here: inductor's modules cost ~1 s to import, paid on first use
-                from torch._inductor.codecache import CppPythonBindingsCodeCache
-                c_type = _C_TYPES[dtype]
-                source = _SOURCE.replace("@T@", c_type).replace("@D@", str(d))
-                args = ([f"const {c_type}*"] * 3 + ["const int64_t*"] * 2 + [f"{c_type}*"]
-                        + ["const int64_t"] * 14 + ["const float"])
-                self._built[dtype, d] = CppPythonBindingsCodeCache.load_pybinding(args, source)
-            return self._built[dtype, d]
+
+_built = _Built()
+_ATTEND_ARGS = (["const T*"] * 3 + ["const int64_t*"] * 2 + ["T*"] + ["const int64_t"] * 14
+                + ["const float"])
+_WRITE_ARGS = ["const T*"] * 2 + ["T*"] * 2 + ["const int64_t*"] * 2 + ["const int64_t"] * 8
+
+
+class _Kernel:
+    @property
+    def failed(self) -> str | None:
+        return _built.failed
+
+    def enabled(self) -> bool:
+        return _built.failed is None
 
     def __call__(self, q, k_cache, v_cache, blocks, lens, scale: float) -> torch.Tensor | None:
         """q [b, nq, kv_heads, group, d] contiguous; k_cache, v_cache one layer's views of the
@@ -255,7 +306,7 @@ class _Kernel:
         -> the attention output like q, or None where the kernel cannot be built here (then
         the caller uses its gather + SDPA path; the reason is logged once and kept in
         `failed`)."""
-        if self.failed is not None:
+        if _built.failed is not None:
             return None
         b, nq, kv_heads, group, d = q.shape
         _, chunks, per_chunk, _, _ = k_cache.shape
@@ -269,19 +320,32 @@ class _Kernel:
             raise ValueError("paged attention: inputs not laid out as the kernel reads them: "
                              f"q {tuple(q.shape)} {q.dtype}, keys {tuple(k_cache.stride())}, "
                              f"values {tuple(v_cache.stride())}")
-        fn = self._built.get((q.dtype, d))
+        fn = _built.get("attend", _SOURCE, _ATTEND_ARGS, q.dtype, d)
         if fn is None:
-            try:
-                fn = self._build(q.dtype, d)
-            except Exception as e:                   # no compiler, unsupported platform
-                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                log.warning("CPU paged attention kernel unavailable (%s); using gather + SDPA",
-                            self.failed)
-                return None
+            return None
         out = torch.empty_like(q)
         fn(q, k_cache, v_cache, blocks, lens, out, b, nq, kv_heads, group, blocks.shape[1],
            chunks, per_chunk, sb, sc, sh, vsb, vsc, vst, vsh, float(scale))
         return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             koff: torch.Tensor, voff: torch.Tensor) -> bool:
+    """Token t's key and value rows (k, v [n, kv_heads, d], each row's heads and dims
+    contiguous) into the layer's views at element offsets koff[t], voff[t] (int64, from the
+    views' strides: block, chunk and row of the token; every one inside the pool, the caller's
+    check). False where the kernel cannot be built here (the caller writes with `index_put_`)."""
+    n, heads, d = k.shape
+    if (k.stride(2) != 1 or v.stride(2) != 1 or k.stride(1) != d or v.stride(1) != d
+            or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k_cache.dtype not in _C_TYPES
+            or k_cache.stride(4) != k_cache.shape[2] or v_cache.stride(4) != 1):
+        return False
+    fn = _built.get("write", _WRITE_SOURCE, _WRITE_ARGS, k_cache.dtype)
+    if fn is None:
+        return False
+    fn(k, v, k_cache, v_cache, koff, voff, n, heads, d, k.stride(0), v.stride(0),
+       k_cache.stride(3), k_cache.stride(4), v_cache.stride(3))
+    return True
 
 
 paged_attention = _Kernel()

@@ -204,6 +204,10 @@ def test_a_block_outside_the_pool_is_an_error_not_a_read():
     k, v = torch.randn(2, KV_HEADS, D), torch.randn(2, KV_HEADS, D)
     with pytest.raises(IndexError, match="outside a pool"):
         attn(0, q, k, v)
+    seqs = [SeqSlice([0, 1], 5, 1), SeqSlice([2, pool.num_blocks + 3], 5, 1)]   # a write
+    for fused in (True, False):
+        with pytest.raises(IndexError):
+            PagedAttention(layers, seqs, D ** -0.5, {}, fused=fused)(0, q, k, v)
 
 
 # (heads, kv heads, head size, target layers, draft (layers, kv heads, head size), block size,
