@@ -126,6 +126,7 @@ class _Group(_Gathers):
         # Query i of sequence b sees its keys 0 .. lens[b, i] - 1 (the fused kernel's form);
         # SDPA takes that as a mask over the longest sequence's keys.
         self.lens = cached[:, None] + i + 1                          # [b, qmax]
+        self.q_rows = self.q_index.view(self.batch, self.qmax)
         self.mask = None if fused else self._mask()
         if self.qmax == 1:
             self.valid, self.rows = None, self.q_index
@@ -143,16 +144,16 @@ class _Group(_Gathers):
                                                enable_gqa=True)
             out[self.rows] = o[0].transpose(0, 1)
             return
-        o = self._fused(q, k_cache, v_cache, scale) if self.fused else None
-        if o is None:
-            if self.fused:                       # the kernel cannot be built here: SDPA from now on
-                self.fused, self.mask = False, self._mask()
-            query = q.index_select(0, self.q_index).view(self.batch, self.qmax, *q.shape[1:])
-            o = F.scaled_dot_product_attention(query.transpose(1, 2).to(compute),
-                                               self._gather(k_cache, workspace, "k", compute),
-                                               self._gather(v_cache, workspace, "v", compute),
-                                               attn_mask=self.mask, scale=scale, enable_gqa=True)
-            o = o.transpose(1, 2).reshape(-1, *q.shape[1:]).to(q.dtype)   # [b * qmax, heads, d]
+        if self.fused:
+            if self._fused(q, k_cache, v_cache, out, scale):
+                return
+            self.fused, self.mask = False, self._mask()   # no kernel here: SDPA from now on
+        query = q.index_select(0, self.q_index).view(self.batch, self.qmax, *q.shape[1:])
+        o = F.scaled_dot_product_attention(query.transpose(1, 2).to(compute),
+                                           self._gather(k_cache, workspace, "k", compute),
+                                           self._gather(v_cache, workspace, "v", compute),
+                                           attn_mask=self.mask, scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(-1, *q.shape[1:]).to(q.dtype)       # [b * qmax, heads, d]
         if self.valid is not None:
             o = o.index_select(0, self.valid)
         out.index_copy_(0, self.rows, o)
@@ -162,14 +163,12 @@ class _Group(_Gathers):
         j = torch.arange(self.lk, device=self.lens.device)
         return (j[None, None, :] < self.lens[:, :, None])[:, None]
 
-    def _fused(self, q, k_cache, v_cache, scale) -> torch.Tensor | None:
-        """[b * qmax, heads, d] from the fused kernel, or None where it cannot run here."""
-        kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
+    def _fused(self, q, k_cache, v_cache, out, scale) -> bool:
+        """The group's rows of `out` from the fused kernel (it reads and writes them by their
+        row numbers); False where it cannot run here."""
         if self.top >= k_cache.shape[0]:
             raise IndexError(f"block {self.top} outside a pool of {k_cache.shape[0]} blocks")
-        query = q.index_select(0, self.q_index).view(self.batch, self.qmax, kv_heads, -1, d)
-        o = paged_attention(query, k_cache, v_cache, self.blocks, self.lens, scale)
-        return None if o is None else o.view(-1, *q.shape[1:])
+        return paged_attention(q, k_cache, v_cache, self.blocks, self.lens, self.q_rows, out, scale)
 
 
 class _Prefill(_Gathers):

@@ -136,15 +136,17 @@ static void values(const T* vc, const int64_t* bt, int64_t h, int64_t last, int6
     case 3: F<3>(__VA_ARGS__); break; case 4: F<4>(__VA_ARGS__); break; case 5: F<5>(__VA_ARGS__); break; \
     case 6: F<6>(__VA_ARGS__); break; case 7: F<7>(__VA_ARGS__); break; default: F<8>(__VA_ARGS__); }
 
-// q, out [b, nq, kvh, g, D]; blocks [b, nb]; lens [b, nq]: query i of sequence n sees keys
-// 0 .. lens[n, i] - 1. Keys of head h, block k, chunk c, token t, dim d at
-// kc[k*sb + c*sc + h*sh + d*tpc + t]; values at vc[k*vsb + c*vsc + h*vsh + t*vst + d].
+// Query i of sequence n is token rows[n, i] of q and out ([tokens, kvh * g, D]: q_row, o_row
+// apart, heads D apart); it sees keys 0 .. lens[n, i] - 1 of blocks[n]. Keys of head h, block
+// k, chunk c, token t, dim d at kc[k*sb + c*sc + h*sh + d*tpc + t]; values at
+// vc[k*vsb + c*vsc + h*vsh + t*vst + d].
 extern "C" void kernel(const T* q, const T* kc, const T* vc, const int64_t* blocks,
-                       const int64_t* lens, T* out, const int64_t b, const int64_t nq,
-                       const int64_t kvh, const int64_t g, const int64_t nb, const int64_t chunks,
-                       const int64_t tpc, const int64_t sb, const int64_t sc, const int64_t sh,
-                       const int64_t vsb, const int64_t vsc, const int64_t vst, const int64_t vsh,
-                       const float scale) {
+                       const int64_t* lens, const int64_t* rows, T* out, const int64_t b,
+                       const int64_t nq, const int64_t kvh, const int64_t g, const int64_t nb,
+                       const int64_t chunks, const int64_t tpc, const int64_t sb,
+                       const int64_t sc, const int64_t sh, const int64_t vsb, const int64_t vsc,
+                       const int64_t vst, const int64_t vsh, const int64_t q_row,
+                       const int64_t o_row, const float scale) {
     const int64_t tpb = chunks * tpc, L = nb * tpb, R = nq * g;
     const int64_t LP = (L + 2 * W - 1) / W * W;
     const float ninf = -std::numeric_limits<float>::infinity();
@@ -166,7 +168,7 @@ extern "C" void kernel(const T* q, const T* kc, const T* vc, const int64_t* bloc
             const int64_t nbl = (last + tpb - 1) / tpb, lw = (last + W - 1) / W * W;
             for (int64_t i = 0; i < nq; ++i)
                 for (int64_t x = 0; x < g; ++x) {
-                    const T* qp = q + (((n * nq + i) * kvh + h) * g + x) * D;
+                    const T* qp = q + rows[n * nq + i] * q_row + (h * g + x) * D;
                     for (int64_t d = 0; d < D; ++d) qf[(i * g + x) * D + d] = static_cast<float>(qp[d]);
                 }
             for (int64_t r0 = 0; r0 < R; r0 += RB) {
@@ -201,7 +203,7 @@ extern "C" void kernel(const T* q, const T* kc, const T* vc, const int64_t* bloc
             for (int64_t i = 0; i < nq; ++i)
                 for (int64_t x = 0; x < g; ++x) {
                     const int64_t r = i * g + x;
-                    T* op = out + (((n * nq + i) * kvh + h) * g + x) * D;
+                    T* op = out + rows[n * nq + i] * o_row + (h * g + x) * D;
                     for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(acc[r * D + d] / sums[r]);
                 }
         }
@@ -285,7 +287,7 @@ class _Built:
 
 
 _built = _Built()
-_ATTEND_ARGS = (["const T*"] * 3 + ["const int64_t*"] * 2 + ["T*"] + ["const int64_t"] * 14
+_ATTEND_ARGS = (["const T*"] * 3 + ["const int64_t*"] * 3 + ["T*"] + ["const int64_t"] * 16
                 + ["const float"])
 _WRITE_ARGS = ["const T*"] * 2 + ["T*"] * 2 + ["const int64_t*"] * 2 + ["const int64_t"] * 8
 
@@ -298,35 +300,39 @@ class _Kernel:
     def enabled(self) -> bool:
         return _built.failed is None
 
-    def __call__(self, q, k_cache, v_cache, blocks, lens, scale: float) -> torch.Tensor | None:
-        """q [b, nq, kv_heads, group, d] contiguous; k_cache, v_cache one layer's views of the
-        pool (`BlockPool.layers`: keys d-major within a block's head run, values row by row);
-        blocks [b, nb] int64, every id below k_cache.shape[0] (the caller's check); lens [b, nq]
-        int64, each >= 1: query i of sequence n sees keys 0 .. lens[n, i] - 1 of its blocks.
-        -> the attention output like q, or None where the kernel cannot be built here (then
-        the caller uses its gather + SDPA path; the reason is logged once and kept in
-        `failed`)."""
+    def __call__(self, q, k_cache, v_cache, blocks, lens, rows, out, scale: float) -> bool:
+        """Attention of a group of sequences into `out`: q, out [tokens, heads, d] (each row's
+        heads and dims contiguous); k_cache, v_cache one layer's views of the pool
+        (`BlockPool.layers`: keys d-major within a block's head run, values row by row); blocks
+        [b, nb] int64, every id below k_cache.shape[0] (the caller's check); lens, rows [b, nq]
+        int64: query i of sequence n is token row rows[n, i] of q and out and sees keys
+        0 .. lens[n, i] - 1 (>= 1) of its blocks (a row listed twice must see the same keys).
+        False where the kernel cannot be built here (then the caller uses its gather + SDPA
+        path; the reason is logged once and kept in `failed`)."""
         if _built.failed is not None:
-            return None
-        b, nq, kv_heads, group, d = q.shape
+            return False
+        b, nq = lens.shape
+        _, heads, d = q.shape
+        kv_heads = k_cache.shape[3]
         _, chunks, per_chunk, _, _ = k_cache.shape
         sb, sc, st, sh, sd = k_cache.stride()
         vsb, vsc, vst, vsh, vsd = v_cache.stride()
         if (st != 1 or sd != per_chunk or vsd != 1 or k_cache.dtype != q.dtype
-                or v_cache.dtype != q.dtype or v_cache.shape != k_cache.shape
-                or not q.is_contiguous() or blocks.dtype != torch.long or lens.dtype != torch.long
-                or not blocks.is_contiguous() or not lens.is_contiguous()
-                or blocks.shape[0] != b or tuple(lens.shape) != (b, nq) or q.dtype not in _C_TYPES):
+                or v_cache.dtype != q.dtype or out.dtype != q.dtype or v_cache.shape != k_cache.shape
+                or q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d
+                or out.shape != q.shape or heads % kv_heads or q.dtype not in _C_TYPES
+                or any(t.dtype != torch.long or not t.is_contiguous() for t in (blocks, lens, rows))
+                or blocks.shape[0] != b or rows.shape != lens.shape):
             raise ValueError("paged attention: inputs not laid out as the kernel reads them: "
                              f"q {tuple(q.shape)} {q.dtype}, keys {tuple(k_cache.stride())}, "
                              f"values {tuple(v_cache.stride())}")
         fn = _built.get("attend", _SOURCE, _ATTEND_ARGS, q.dtype, d)
         if fn is None:
-            return None
-        out = torch.empty_like(q)
-        fn(q, k_cache, v_cache, blocks, lens, out, b, nq, kv_heads, group, blocks.shape[1],
-           chunks, per_chunk, sb, sc, sh, vsb, vsc, vst, vsh, float(scale))
-        return out
+            return False
+        fn(q, k_cache, v_cache, blocks, lens, rows, out, b, nq, kv_heads, heads // kv_heads,
+           blocks.shape[1], chunks, per_chunk, sb, sc, sh, vsb, vsc, vst, vsh, q.stride(0),
+           out.stride(0), float(scale))
+        return True
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -50,10 +50,10 @@ class ModelRunner:
         k_cache, v_cache = self.layers[0]
         kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
         group = self.forward.shape.num_heads // kv_heads
-        q = torch.zeros(1, 1, kv_heads, group, d, dtype=k_cache.dtype, device=self.device)
-        blocks = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        lens = torch.ones(1, 1, dtype=torch.long, device=self.device)
-        if paged_attention(q, k_cache, v_cache, blocks, lens, self.scale) is None:
+        q = torch.zeros(1, kv_heads * group, d, dtype=k_cache.dtype, device=self.device)
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        if not paged_attention(q, k_cache, v_cache, one, one + 1, one, torch.empty_like(q),
+                               self.scale):
             self.fused = False                       # cannot build it here: gather + SDPA
 
     @torch.inference_mode()

@@ -176,21 +176,29 @@ def test_the_kernel_equals_its_reference(dtype, heads, kv_heads, d, block, draft
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for b, nq in [(1, 1), (3, 1), (2, 5), (4, 3), (1, 17)]:
         q, k, v, blocks, lens = _kernel_case(dtype, b, nq, heads, kv_heads, d, block, draft, rng)
-        out = paged_attention(q, k, v, blocks, lens, d ** -0.5)
-        ref = _paged(q, k, v, blocks, lens, d ** -0.5)
-        assert out.dtype == dtype and out.shape == q.shape
-        assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol), (b, nq)
+        # token rows of q and out: shuffled, among rows no query uses (left untouched)
+        rows = torch.randperm(b * nq + 3)[:b * nq]
+        flat = torch.randn(b * nq + 3, heads, d).to(dtype)
+        flat[rows] = q.view(b * nq, heads, d)
+        out = torch.full_like(flat, 7.0)
+        assert paged_attention(flat, k, v, blocks, lens, rows.view(b, nq), out, d ** -0.5)
+        ref = _paged(q, k, v, blocks, lens, d ** -0.5).reshape(b * nq, heads, d)
+        assert torch.allclose(out[rows].float(), ref.float(), atol=tol, rtol=tol), (b, nq)
+        untouched = torch.ones(b * nq + 3, dtype=torch.bool)
+        untouched[rows] = False
+        assert (out[untouched] == 7.0).all()
     assert paged_attention.failed is None
 
 
 def test_the_kernel_refuses_a_pool_laid_out_otherwise():
     """The kernel reads raw memory by the pool's strides: keys token-major (the layout before
     session 27) are refused, not misread."""
-    q = torch.randn(2, 1, KV_HEADS, HEADS // KV_HEADS, D)
+    q = torch.randn(2, HEADS, D)
     k, v = torch.randn(2, 16, 1, 4, KV_HEADS, D).unbind(0)
     with pytest.raises(ValueError, match="not laid out"):
         paged_attention(q, k, v, torch.zeros(2, 1, dtype=torch.long),
-                        torch.ones(2, 1, dtype=torch.long), D ** -0.5)
+                        torch.ones(2, 1, dtype=torch.long), torch.arange(2)[:, None],
+                        torch.empty_like(q), D ** -0.5)
 
 
 def test_a_block_outside_the_pool_is_an_error_not_a_read():
