@@ -236,7 +236,7 @@ extern "C" void kernel(const T* k, const T* v, T* kc, T* vc, const int64_t* koff
 }
 '''
 
-_C_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16", torch.float16: "at::Half"}
+C_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16", torch.float16: "at::Half"}
 
 
 def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
@@ -262,6 +262,7 @@ class _Built:
         self._lock = threading.Lock()
         self._fns: dict[tuple, object] = {}
         self.failed: str | None = None
+        self.builds = 0                  # sources built (or loaded from disk) in this process
 
     def get(self, name: str, source: str, args: list[str], dtype: torch.dtype, d: int = 0):
         """The built function, or None where building fails here (logged once)."""
@@ -274,11 +275,12 @@ class _Built:
                 if key not in self._fns:
                     # imported here: inductor's modules cost ~1 s to import, paid on first use
                     from torch._inductor.codecache import CppPythonBindingsCodeCache
-                    c_type = _C_TYPES[dtype]
+                    c_type = C_TYPES[dtype]
                     code = source.replace("@T@", c_type).replace("@D@", str(d))
                     types = [a.replace("T", c_type) if a.startswith(("T", "const T")) else a
                              for a in args]
                     self._fns[key] = CppPythonBindingsCodeCache.load_pybinding(types, code)
+                    self.builds += 1
                 return self._fns[key]
         except Exception as e:
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -286,7 +288,7 @@ class _Built:
             return None
 
 
-_built = _Built()
+cpp_kernels = _Built()
 _ATTEND_ARGS = (["const T*"] * 3 + ["const int64_t*"] * 3 + ["T*"] + ["const int64_t"] * 16
                 + ["const float"])
 _WRITE_ARGS = ["const T*"] * 2 + ["T*"] * 2 + ["const int64_t*"] * 2 + ["const int64_t"] * 8
@@ -295,10 +297,10 @@ _WRITE_ARGS = ["const T*"] * 2 + ["T*"] * 2 + ["const int64_t*"] * 2 + ["const i
 class _Kernel:
     @property
     def failed(self) -> str | None:
-        return _built.failed
+        return cpp_kernels.failed
 
     def enabled(self) -> bool:
-        return _built.failed is None
+        return cpp_kernels.failed is None
 
     def __call__(self, q, k_cache, v_cache, blocks, lens, rows, out, scale: float) -> bool:
         """Attention of a group of sequences into `out`: q, out [tokens, heads, d] (each row's
@@ -309,7 +311,7 @@ class _Kernel:
         0 .. lens[n, i] - 1 (>= 1) of its blocks (a row listed twice must see the same keys).
         False where the kernel cannot be built here (then the caller uses its gather + SDPA
         path; the reason is logged once and kept in `failed`)."""
-        if _built.failed is not None:
+        if cpp_kernels.failed is not None:
             return False
         b, nq = lens.shape
         _, heads, d = q.shape
@@ -320,13 +322,13 @@ class _Kernel:
         if (st != 1 or sd != per_chunk or vsd != 1 or k_cache.dtype != q.dtype
                 or v_cache.dtype != q.dtype or out.dtype != q.dtype or v_cache.shape != k_cache.shape
                 or q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d
-                or out.shape != q.shape or heads % kv_heads or q.dtype not in _C_TYPES
+                or out.shape != q.shape or heads % kv_heads or q.dtype not in C_TYPES
                 or any(t.dtype != torch.long or not t.is_contiguous() for t in (blocks, lens, rows))
                 or blocks.shape[0] != b or rows.shape != lens.shape):
             raise ValueError("paged attention: inputs not laid out as the kernel reads them: "
                              f"q {tuple(q.shape)} {q.dtype}, keys {tuple(k_cache.stride())}, "
                              f"values {tuple(v_cache.stride())}")
-        fn = _built.get("attend", _SOURCE, _ATTEND_ARGS, q.dtype, d)
+        fn = cpp_kernels.get("attend", _SOURCE, _ATTEND_ARGS, q.dtype, d)
         if fn is None:
             return False
         fn(q, k_cache, v_cache, blocks, lens, rows, out, b, nq, kv_heads, heads // kv_heads,
@@ -343,10 +345,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check). False where the kernel cannot be built here (the caller writes with `index_put_`)."""
     n, heads, d = k.shape
     if (k.stride(2) != 1 or v.stride(2) != 1 or k.stride(1) != d or v.stride(1) != d
-            or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k_cache.dtype not in _C_TYPES
+            or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k_cache.dtype not in C_TYPES
             or k_cache.stride(4) != k_cache.shape[2] or v_cache.stride(4) != 1):
         return False
-    fn = _built.get("write", _WRITE_SOURCE, _WRITE_ARGS, k_cache.dtype)
+    fn = cpp_kernels.get("write", _WRITE_SOURCE, _WRITE_ARGS, k_cache.dtype)
     if fn is None:
         return False
     fn(k, v, k_cache, v_cache, koff, voff, n, heads, d, k.stride(0), v.stride(0),
@@ -355,3 +357,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 paged_attention = _Kernel()
+
+
+def build(dtype: torch.dtype, head_dim: int) -> bool:
+    """Build the attention and KV-write kernels for this dtype and head size now (a runner's
+    start, not its first step), without touching any pool (a draft swapped in mid-serving
+    shares the pool with live sequences); False where they cannot be built here."""
+    if dtype not in C_TYPES:
+        return False
+    return (cpp_kernels.get("attend", _SOURCE, _ATTEND_ARGS, dtype, head_dim) is not None
+            and cpp_kernels.get("write", _WRITE_SOURCE, _WRITE_ARGS, dtype) is not None)

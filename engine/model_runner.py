@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from engine.attention import PagedAttention, SeqSlice
-from engine.cpu_attention import paged_attention
+from engine import cpu_attention, cpu_ops
 
 
 class Peers(Protocol):
@@ -44,17 +44,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _build_fused(self) -> None:
-        """Build the fused kernel for this model's dtype and head size now (a cold build takes
-        ~5-20 s; inductor's on-disk cache then brings it to well under a second a process), not
-        in the middle of serving, and find out whether it can be built here at all."""
-        k_cache, v_cache = self.layers[0]
-        kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
-        group = self.forward.shape.num_heads // kv_heads
-        q = torch.zeros(1, kv_heads * group, d, dtype=k_cache.dtype, device=self.device)
-        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        if not paged_attention(q, k_cache, v_cache, one, one + 1, one, torch.empty_like(q),
-                               self.scale):
-            self.fused = False                       # cannot build it here: gather + SDPA
+        """Build the CPU kernels for this model's dtype and head size now (attention, the KV
+        write and the forward's elementwise steps, `engine/cpu_ops.py`; a cold build takes ~5 s
+        each, inductor's on-disk cache then well under a second a process), not in the middle
+        of serving, and find out whether they can be built here at all."""
+        dtype, d = self.layers[0][0].dtype, self.layers[0][0].shape[-1]
+        if not (cpu_attention.build(dtype, d) and cpu_ops.build(dtype)):
+            self.fused = False                       # cannot build them here: gather + SDPA
+        self.forward.cpu_ops = self.fused
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_ops
+
 # attn(layer_idx, q [num_tokens, num_heads, head_dim], k, v [num_tokens, num_kv_heads, head_dim])
 #   -> [num_tokens, num_heads * head_dim]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -158,6 +160,9 @@ class LlamaForward:
         self.layers = [LlamaLayerWeights(layer, plan, rank, world) for layer in base.layers]
         on_cpu = self.embed.device.type == "cpu"
         self.kernel = _cpu_kernel(self.embed.dtype) if on_cpu else "torch"
+        # the elementwise steps as C++ calls (engine/cpu_ops.py): the model runner turns this on
+        # where it built them (with the attention kernel, at its start)
+        self.cpu_ops = False
         self.lm_head = _prepare(self.lm_head, self.kernel)
         for w in self.layers:
             w.qkv, w.o_proj = _prepare(w.qkv, self.kernel), _prepare(w.o_proj, self.kernel)
@@ -200,32 +205,49 @@ class LlamaForward:
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return torch.addcmul(x * cos, swapped, signed_sin)
 
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> torch.Tensor:
+        """hidden += delta (in place), then its norm: one C++ call on CPU (`engine/cpu_ops.py`)."""
+        if self.cpu_ops:
+            out = cpu_ops.add_norm(hidden, delta, weight, self.shape.rms_norm_eps)
+            if out is not None:
+                return out
+        if delta is not None:
+            hidden.add_(delta)
+        return self._norm(hidden, weight)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         s = self.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         heads = s.num_heads + s.num_kv_heads
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = F.embedding(input_ids, self.embed)            # the residual stream, added in place
         cos, sin = self.rotary(positions)
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        x = self._add_norm(hidden, None, self.layers[0].input_norm if self.layers else self.final_norm)
         for i, layer in enumerate(self.layers):
-            x = self._norm(hidden, layer.input_norm)
             qkv = self._linear(x, layer.qkv, layer.qkv_bias)
-            qk = self._rope(qkv[:, :q_size + kv_size].view(-1, heads, s.head_dim), cos, sin)
+            qk = cpu_ops.rope(qkv, heads, s.head_dim, cos, sin) if self.cpu_ops else None
+            if qk is None:
+                qk = self._rope(qkv[:, :q_size + kv_size].view(-1, heads, s.head_dim),
+                                cos[:, None, :], sin[:, None, :])
             q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
             v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
             out = self._linear(attn(i, q, k, v), layer.o_proj, layer.o_bias)
             if self.world > 1:
                 out = self.all_reduce(out)
-            hidden = hidden + out
-            x = self._norm(hidden, layer.post_norm)
-            gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
-            out = self._linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            x = self._add_norm(hidden, out, layer.post_norm)
+            gate_up = self._linear(x, layer.gate_up)
+            act = cpu_ops.silu_mul(gate_up) if self.cpu_ops else None
+            if act is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            out = self._linear(act, layer.down, layer.down_bias)
             if self.world > 1:
                 out = self.all_reduce(out)
-            hidden = hidden + out
-        return self._norm(hidden, self.final_norm)
+            last = i + 1 == len(self.layers)
+            x = self._add_norm(hidden, out, self.final_norm if last else self.layers[i + 1].input_norm)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] in float32."""

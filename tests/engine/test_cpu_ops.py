@@ -1,0 +1,55 @@
+"""The forward's elementwise steps as C++ calls give what the torch ops they replace give: the
+same bits in bfloat16 and float16 (each rounding where the eager op rounds), float32 within
+its last bits (a fused multiply-add where torch rounds between), and each row on its own."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_ops
+from engine.cpu_attention import cpp_kernels
+from models.llama import LlamaForward
+
+
+def _close(a, b, dtype):
+    if dtype == torch.float32:
+        return torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,size", [(1, 320), (37, 40), (3, 20)])
+def test_add_norm_is_the_residual_add_and_transformers_norm(dtype, n, size):
+    torch.manual_seed(0)
+    hidden, delta = torch.randn(n, size).to(dtype), torch.randn(n, size).to(dtype)
+    weight = torch.randn(size).to(dtype)
+    summed = hidden + delta
+    if dtype == torch.float32:
+        ref = F.rms_norm(summed, (size,), weight, eps=1e-6)
+    else:
+        ref = weight * F.rms_norm(summed.float(), (size,), eps=1e-6).to(dtype)
+    out = cpu_ops.add_norm(hidden, delta, weight, 1e-6)
+    assert torch.equal(hidden, summed)                      # the residual stream, in place
+    assert _close(out, ref, dtype)
+    alone = cpu_ops.add_norm(summed[-1:].clone(), None, weight, 1e-6)
+    assert torch.equal(alone[0], out[-1])                   # a row does not see its batch
+    assert cpp_kernels.failed is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_and_rope_are_the_eager_ops(dtype):
+    torch.manual_seed(1)
+    n, heads, kv_heads, d = 19, 4, 2, 24                    # 24: a tail short of a vector
+    gate_up = torch.randn(n, 2 * 40).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert _close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up, dtype)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d).to(dtype)
+    freqs = torch.arange(n).float()[:, None] * (1e4 ** (-torch.arange(0, d, 2).float() / d))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin[:, :d // 2].neg_()
+    cos, sin = emb.cos().to(dtype), sin.to(dtype)
+    out = cpu_ops.rope(qkv, heads + kv_heads, d, cos, sin)
+    ref = LlamaForward._rope(qkv[:, :(heads + kv_heads) * d].view(n, -1, d), cos[:, None], sin[:, None])
+    assert _close(out, ref, dtype)
+    assert cpp_kernels.failed is None
