@@ -38,6 +38,13 @@ class RowParams:
                          [self.generators[i] for i in idx])
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] -> [rows], each row's highest logit, the first of equals. `max(dim)` rather
+    than `argmax`: on CPU argmax took 168 us at [32, 8192] in float32 against 57 (2 threads, AMX
+    Xeon), and the engine takes one a target forward and one a draft round (session 27)."""
+    return logits.max(dim=-1).indices
+
+
 def probabilities(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """[num_rows, vocab_size] logits -> probabilities after temperature, top-k and top-p.
 
@@ -64,7 +71,7 @@ def probabilities(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(1, greedy_tokens(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
 

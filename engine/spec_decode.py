@@ -24,7 +24,7 @@ from engine.attention import SeqSlice
 from engine.coupled_sampler import coupled_seed, couple_rows
 from engine.model_runner import ModelRunner
 from engine.rejection_sampler import rejection_sample
-from engine.sampler import RowParams, probabilities, sample, uniforms
+from engine.sampler import RowParams, greedy_tokens, probabilities, sample, uniforms
 from engine.scheduler import ScheduledSeq
 
 
@@ -68,7 +68,7 @@ def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy
             rows.append(len(ids) - 1)
         logits = draft.run(seqs, ids, pos, rows)                            # [len(active), vocab]
         if greedy:
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = greedy_tokens(logits).tolist()
         else:
             sub = rp.select(torch.tensor(active))
             q = probabilities(logits, sub)
@@ -135,7 +135,7 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
     # Seeded rows: the target's choice is its coupled sample and the rule is greedy
     # verification on it (engine/coupled_sampler.py); the others keep rejection sampling.
     ks = [it.k for it in sampling]
-    choice, p, u = logits.argmax(dim=-1), None, None
+    choice, p, u = greedy_tokens(logits), None, None
     if not greedy:
         per_row = torch.repeat_interleave(torch.arange(len(sampling)), torch.tensor(ks) + 1)
         p = probabilities(logits, rp.select(per_row))

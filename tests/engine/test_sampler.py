@@ -2,6 +2,7 @@
 the weights, on the global generator and on a request's own, and a seeded row's draws do not
 depend on the rows beside it."""
 
+import pytest
 import torch
 from scipy.stats import chisquare, kstest
 
@@ -48,3 +49,16 @@ def test_a_seeded_row_draws_the_same_whatever_rows_share_its_batch():
         mixed.append(int(sample(weights.repeat(4, 1), rows)[1]))
     assert alone == mixed
     assert len(set(alone)) > 10                          # the seed matters: not one fixed token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_take_the_first_of_equal_logits(dtype):
+    """The engine's greedy choice (`max(dim)`, faster than argmax on CPU) is argmax's: the
+    highest logit, the first of equals, NaN-free rows as wide as a vocabulary."""
+    from engine.sampler import greedy_tokens
+    torch.manual_seed(0)
+    logits = torch.randn(33, 8192).to(dtype)
+    logits[3, [7, 4000]] = 50.0                       # a tie: the first wins
+    logits[5, [8191, 100]] = 60.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[3] == 7 and greedy_tokens(logits)[5] == 100
