@@ -95,8 +95,7 @@ class _Group(_Gathers):
         self.lk, self.qmax, self.batch, self.fused = max(lens), max(nq), len(ss), fused
         # A single sequence's first chunk: attention over its own new keys, nothing cached.
         self.fresh = len(ss) == 1 and ss[0].num_cached == 0
-        # A single sequence attends through SDPA, or through the fused kernel as a batch of one
-        # (a shape the runner compiles at start: torch.compile specialises a size of 1).
+        # A single sequence attends through SDPA, or through the fused kernel as a batch of one.
         self.single = len(ss) == 1 and not fused
         if self.single:
             s = ss[0]

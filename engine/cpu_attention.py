@@ -1,8 +1,9 @@
 """Paged attention on CPU in one call per layer: a C++ loop over torch's vector types.
 
 Owns: the kernel that attends a group of sequences (decode or verify rows) to keys and values
-read where they lie in the paged pool, and the decision whether this process can build it. Does
-not own: the per-forward metadata (`engine/attention.py` builds the block table and the row
+read where they lie in the paged pool, the one that writes a forward's new keys and values into
+it, and the building of the engine's C++ kernels (`cpp_kernels`, `engine/cpu_ops.py`'s too) with
+the decision whether this process can build them. Does not own: the per-forward metadata (`engine/attention.py` builds the block table and the row
 lengths) or the pool's layout (`engine/kv_cache.py`, whose key rows this kernel's loop follows).
 
 Why: SDPA needs each sequence's keys contiguous, so the batched path first copies them out of
@@ -21,9 +22,10 @@ needs on CPU: a C++ compiler; where building fails the engine keeps gather + SDP
 - up to RB query rows (a verify's tokens, a GQA group) share each key and value loaded, their
   accumulators held in registers;
 - the next block's run is prefetched (blocks need not be adjacent).
-Batch 32, 192 keys, bf16, 2 threads, AMX Xeon (`/work/scratch/s27`): one query row 0.6x the
-inductor kernel's time, five 0.35x; batch 1 0.4x (the call itself is a few microseconds: no
-dynamo, no guards). vLLM's AMX kernel in the same run: notes/issue10.md, session 27.
+Batch 32, 192 keys, bf16, 2 threads, AMX Xeon: one query row 0.6x the inductor kernel's time,
+five 0.35x; batch 1 0.4x (the call itself is a few microseconds: no dynamo, no guards); vLLM's
+AMX kernel beside it, and the engine's tokens a second before and after: notes/issue10.md,
+session 27.
 
 Numerics: scores, softmax and the weighted sum run in float32 (a bfloat16 pool is read and
 converted in the kernel), so rows agree with SDPA's at the 1e-7 level. More: a row's output is a

@@ -236,8 +236,8 @@ def test_fused_rows_do_not_depend_on_the_batch(dtype, shape, threads):
     other sequences (whose longer contexts pad its keys), or as one of several query tokens
     of a verify. This is what makes greedy speculative output equal plain decoding in
     bfloat16; SDPA's rows move with the batch shape (checked here in float32, so that the test
-    says something about the kernel and not about the inputs). At 2 threads, as served and
-    benchmarked: the suite runs 1, where no reduction is ever split between threads."""
+    says something about the kernel and not about the inputs). At 2 threads too, as served
+    and benchmarked (the suite runs 1)."""
     heads, kv_heads, d, n_layers, draft, bs, n_seqs, longest = SHAPES[shape]
     torch.manual_seed(0)
     pool = BlockPool(256 << 20, (n_layers, kv_heads, d), bs, dtype, "cpu", draft)
