@@ -47,15 +47,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r'''
+# What every kernel here and in `engine/cpu_ops.py` starts with: the element type T, float
+# vectors of W lanes, and loads / stores that convert T to and from float (a count below W reads
+# or writes only the first lanes).
+PRELUDE = r'''
 #include <torch/csrc/inductor/cpp_prefix.h>
 using T = @T@;
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t D = @D@;                       // head dim
 constexpr int64_t W = Vec::size();               // float lanes
-constexpr int64_t DV = (D + W - 1) / W;          // vectors a value row
-constexpr int64_t DT = D - (DV - 1) * W;         // lanes of its last vector
-constexpr int64_t RB = std::max<int64_t>(1, std::min<int64_t>(8, 24 / DV));  // rows in registers
 
 template <typename TT> static inline Vec load_f(const TT* p, int64_t n = W) {
     if (n == W) {
@@ -66,6 +65,24 @@ template <typename TT> static inline Vec load_f(const TT* p, int64_t n = W) {
     for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
     return Vec::loadu(tmp);
 }
+
+template <typename TT> static inline void store_t(TT* p, const Vec& v, int64_t n = W) {
+    if constexpr (std::is_same_v<TT, float>) v.store(p, n);
+    else at::vec::convert<TT>(v).store(p, n);
+}
+
+// v rounded to T and read back (what an eager op's output in T holds)
+template <typename TT = T> static inline Vec round_t(const Vec& v) {
+    if constexpr (std::is_same_v<TT, float>) return v;
+    else { TT tmp[W]; store_t(tmp, v); return load_f(tmp); }
+}
+'''
+
+_SOURCE = PRELUDE + r'''
+constexpr int64_t D = @D@;                       // head dim
+constexpr int64_t DV = (D + W - 1) / W;          // vectors a value row
+constexpr int64_t DT = D - (DV - 1) * W;         // lanes of its last vector
+constexpr int64_t RB = std::max<int64_t>(1, std::min<int64_t>(8, 24 / DV));  // rows in registers
 
 static inline void prefetch(const void* p, int64_t bytes) {
     for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(static_cast<const char*>(p) + x);
@@ -217,9 +234,7 @@ extern "C" void kernel(const T* q, const T* kc, const T* vc, const int64_t* bloc
 # calls cost ~26 us each, 24 a step in a 12-layer model: ~0.6 ms of a batch-1 step). Token t's
 # rows go to element offsets koff[t] / voff[t] of the layer's views; a key's dims are sd apart
 # (d-major), a value's adjacent.
-_WRITE_SOURCE = r'''
-#include <torch/csrc/inductor/cpp_prefix.h>
-using T = @T@;
+_WRITE_SOURCE = PRELUDE + r'''
 extern "C" void kernel(const T* k, const T* v, T* kc, T* vc, const int64_t* koff,
                        const int64_t* voff, const int64_t n, const int64_t heads, const int64_t d,
                        const int64_t k_row, const int64_t v_row, const int64_t sh,

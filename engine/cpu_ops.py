@@ -23,39 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.cpu_attention import C_TYPES, cpp_kernels
-
-_PRELUDE = r'''
-#include <torch/csrc/inductor/cpp_prefix.h>
-using T = @T@;
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();
-
-template <typename TT> static inline Vec load_f(const TT* p, int64_t n = W) {
-    if (n == W) {
-        if constexpr (std::is_same_v<TT, float>) return Vec::loadu(p);
-        else { Vec out; at::vec::load_to_float(p, out); return out; }
-    }
-    float tmp[W] = {};
-    for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
-    return Vec::loadu(tmp);
-}
-
-template <typename TT> static inline void store_t(TT* p, const Vec& v, int64_t n = W) {
-    if constexpr (std::is_same_v<TT, float>) v.store(p, n);
-    else at::vec::convert<TT>(v).store(p, n);
-}
-
-// v rounded to T and read back (what an eager op's output in T holds)
-template <typename TT = T> static inline Vec round_t(const Vec& v) {
-    if constexpr (std::is_same_v<TT, float>) return v;
-    else { TT tmp[W]; store_t(tmp, v); return load_f(tmp); }
-}
-'''
+from engine.cpu_attention import C_TYPES, PRELUDE, cpp_kernels
 
 # hidden [n, H] (row stride hs) += delta (row stride ds) if has_delta, rounded; then
 # out [n, H] (contiguous) = weight * RMSNorm(hidden) as transformers computes it.
-_ADD_NORM = _PRELUDE + r'''
+_ADD_NORM = PRELUDE + r'''
 extern "C" void kernel(T* hidden, const T* delta, const T* weight, T* out, const int64_t n,
                        const int64_t H, const int64_t hs, const int64_t ds,
                        const int64_t has_delta, const float eps) {
@@ -86,7 +58,7 @@ extern "C" void kernel(T* hidden, const T* delta, const T* weight, T* out, const
 '''
 
 # out [n, I] = silu(gate) * up, gate and up the halves of gate_up's rows (row stride gs).
-_SILU_MUL = _PRELUDE + r'''
+_SILU_MUL = PRELUDE + r'''
 extern "C" void kernel(const T* gate_up, T* out, const int64_t n, const int64_t I,
                        const int64_t gs) {
     #pragma omp parallel for if (n >= 16)
@@ -107,7 +79,7 @@ extern "C" void kernel(const T* gate_up, T* out, const int64_t n, const int64_t 
 
 # out [n, heads, D] (contiguous) = RoPE of the first `heads` heads of each qkv row (row stride
 # rs, heads D apart): x * cos rounded, plus (x2, x1) * signed sin, rounded; cos, sin [n, D].
-_ROPE = _PRELUDE + r'''
+_ROPE = PRELUDE + r'''
 extern "C" void kernel(const T* qkv, const T* cos, const T* sin, T* out, const int64_t n,
                        const int64_t heads, const int64_t D, const int64_t rs) {
     #pragma omp parallel for if (n >= 16)
