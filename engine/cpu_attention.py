@@ -316,9 +316,6 @@ class _Kernel:
     def failed(self) -> str | None:
         return cpp_kernels.failed
 
-    def enabled(self) -> bool:
-        return cpp_kernels.failed is None
-
     def __call__(self, q, k_cache, v_cache, blocks, lens, rows, out, scale: float) -> bool:
         """Attention of a group of sequences into `out`: q, out [tokens, heads, d] (each row's
         heads and dims contiguous); k_cache, v_cache one layer's views of the pool

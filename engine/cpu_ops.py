@@ -105,8 +105,16 @@ extern "C" void kernel(const T* qkv, const T* cos, const T* sin, T* out, const i
 
 
 def _ok(*tensors) -> bool:
+    """Whether these tensors are ones the kernels take (CPU, one supported dtype, rows' last dim
+    contiguous); else the caller's torch ops run."""
     return tensors[0].dtype in C_TYPES and all(
         t.device.type == "cpu" and t.dtype == tensors[0].dtype and t.stride(-1) == 1 for t in tensors)
+
+
+def _check(ok: bool, what: str) -> None:
+    """Shapes the C++ would read past: a clear error, never a read outside the tensors."""
+    if not ok:
+        raise ValueError(f"cpu_ops: {what}")
 
 
 def add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -114,8 +122,11 @@ def add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     """hidden [n, H] += delta (in place, rounded as `hidden + delta`), then weight * RMSNorm(hidden)
     as a new [n, H]; None where the kernel cannot run here (hidden untouched)."""
     parts = (hidden, weight) if delta is None else (hidden, delta, weight)
-    if not _ok(*parts) or hidden.dim() != 2:
+    if not _ok(*parts):
         return None
+    _check(hidden.dim() == 2 and tuple(weight.shape) == (hidden.shape[1],)
+           and (delta is None or delta.shape == hidden.shape), "add_norm: hidden [n, H], delta "
+           f"like it, weight [H]; got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     fn = cpp_kernels.get("add_norm", _ADD_NORM,
                          ["T*", "const T*", "const T*", "T*"] + ["const int64_t"] * 5
                          + ["const float"], hidden.dtype)
@@ -130,8 +141,10 @@ def add_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """[n, 2I] -> silu(gate) * up [n, I] (gate the first half), or None where it cannot run."""
-    if not _ok(gate_up) or gate_up.dim() != 2:
+    if not _ok(gate_up):
         return None
+    _check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0,
+           f"silu_mul: gate_up [n, 2I]; got {tuple(gate_up.shape)}")
     fn = cpp_kernels.get("silu_mul", _SILU_MUL, ["const T*", "T*"] + ["const int64_t"] * 3,
                          gate_up.dtype)
     if fn is None:
@@ -148,11 +161,15 @@ def rope(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor,
     head_dim] (sin's first half negated, `LlamaForward.rotary`). None where it cannot run."""
     if not _ok(qkv, cos, sin) or not cos.is_contiguous() or not sin.is_contiguous():
         return None
+    n = qkv.shape[0]
+    _check(qkv.dim() == 2 and qkv.shape[1] >= heads * head_dim and head_dim % 2 == 0
+           and tuple(cos.shape) == tuple(sin.shape) == (n, head_dim),
+           f"rope: qkv [n, >= heads * head_dim], cos and sin [n, head_dim]; got "
+           f"{tuple(qkv.shape)}, {tuple(cos.shape)}, {heads} heads of {head_dim}")
     fn = cpp_kernels.get("rope", _ROPE, ["const T*"] * 3 + ["T*"] + ["const int64_t"] * 4,
                          qkv.dtype)
     if fn is None:
         return None
-    n = qkv.shape[0]
     out = torch.empty(n, heads, head_dim, dtype=qkv.dtype)
     fn(qkv, cos, sin, out, n, heads, head_dim, qkv.stride(0))
     return out

@@ -53,3 +53,15 @@ def test_silu_mul_and_rope_are_the_eager_ops(dtype):
     ref = LlamaForward._rope(qkv[:, :(heads + kv_heads) * d].view(n, -1, d), cos[:, None], sin[:, None])
     assert _close(out, ref, dtype)
     assert cpp_kernels.failed is None
+
+
+def test_shapes_the_kernels_would_read_past_are_refused():
+    """The C++ reads raw memory by the shapes it is given: a mismatch is a ValueError naming
+    the op, not a read past a tensor."""
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="add_norm"):
+        cpu_ops.add_norm(x, None, torch.randn(9), 1e-6)
+    with pytest.raises(ValueError, match="silu_mul"):
+        cpu_ops.silu_mul(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="rope"):
+        cpu_ops.rope(x, 2, 8, torch.randn(3, 8), torch.randn(3, 8))    # 16 wide heads in 8
