@@ -34,22 +34,43 @@ extern "C" void kernel(T* hidden, const T* delta, const T* weight, T* out, const
     #pragma omp parallel for if (n >= 16)
     for (int64_t t = 0; t < n; ++t) {
         T* h = hidden + t * hs;
+        const int64_t H2 = H / (2 * W) * (2 * W);      // the part done 2W at a time
         if (has_delta) {
             const T* dl = delta + t * ds;
-            for (int64_t j = 0; j < H; j += W) {
+            for (int64_t j = 0; j < H2; j += 2 * W) {
+                Vec a, b, c, e;
+                load2(h + j, a, b);
+                load2(dl + j, c, e);
+                store2(h + j, a + c, b + e);
+            }
+            for (int64_t j = H2; j < H; j += W) {
                 const int64_t c = std::min(W, H - j);
                 store_t(h + j, load_f(h + j, c) + load_f(dl + j, c), c);
             }
         }
-        Vec acc(0.f);
-        for (int64_t j = 0; j < H; j += W) {
+        Vec acc(0.f);                                   // lane l: elements l, l + W, ... in order
+        for (int64_t j = 0; j < H2; j += 2 * W) {
+            Vec a, b;
+            load2(h + j, a, b);
+            acc = at::vec::fmadd(b, b, at::vec::fmadd(a, a, acc));
+        }
+        for (int64_t j = H2; j < H; j += W) {
             const Vec x = load_f(h + j, std::min(W, H - j));
             acc = at::vec::fmadd(x, x, acc);
         }
         const float ss = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
         const Vec inv(1.f / std::sqrt(ss / static_cast<float>(H) + eps));
         T* o = out + t * H;
-        for (int64_t j = 0; j < H; j += W) {
+        for (int64_t j = 0; j < H2; j += 2 * W) {
+            Vec a, b, wa, wb;
+            load2(h + j, a, b);
+            load2(weight + j, wa, wb);
+            a = a * inv;
+            b = b * inv;
+            round2(a, b);
+            store2(o + j, a * wa, b * wb);
+        }
+        for (int64_t j = H2; j < H; j += W) {
             const int64_t c = std::min(W, H - j);
             store_t(o + j, round_t(load_f(h + j, c) * inv) * load_f(weight + j, c), c);
         }
@@ -67,7 +88,16 @@ extern "C" void kernel(const T* gate_up, T* out, const int64_t n, const int64_t 
         const T* u = g + I;
         T* o = out + t * I;
         const Vec one(1.f);
-        for (int64_t j = 0; j < I; j += W) {
+        const int64_t I2 = I / (2 * W) * (2 * W);
+        for (int64_t j = 0; j < I2; j += 2 * W) {
+            Vec x, y, ua, ub;
+            load2(g + j, x, y);
+            load2(u + j, ua, ub);
+            Vec a = x / (one + x.neg().exp()), b = y / (one + y.neg().exp());
+            round2(a, b);
+            store2(o + j, a * ua, b * ub);
+        }
+        for (int64_t j = I2; j < I; j += W) {
             const int64_t c = std::min(W, I - j);
             const Vec x = load_f(g + j, c);
             const Vec s = round_t(x / (one + x.neg().exp()));
@@ -84,19 +114,33 @@ extern "C" void kernel(const T* qkv, const T* cos, const T* sin, T* out, const i
                        const int64_t heads, const int64_t D, const int64_t rs) {
     #pragma omp parallel for if (n >= 16)
     for (int64_t t = 0; t < n; ++t) {
-        std::vector<float> x(2 * D);
         const T* c = cos + t * D;
         const T* s = sin + t * D;
-        const int64_t half = D / 2;
+        const int64_t half = D / 2, half2 = half / (2 * W) * (2 * W);
         for (int64_t h = 0; h < heads; ++h) {
-            const T* src = qkv + t * rs + h * D;
-            for (int64_t j = 0; j < D; ++j) x[j] = static_cast<float>(src[j]);
-            for (int64_t j = 0; j < D; ++j) x[D + j] = x[(j + half) % D];     // (x2, x1)
+            const T* x = qkv + t * rs + h * D;           // (x1, x2); rotated: (x2, x1)
             T* o = out + (t * heads + h) * D;
-            for (int64_t j = 0; j < D; j += W) {
-                const int64_t m = std::min(W, D - j);
-                const Vec xc = round_t(Vec::loadu(x.data() + j, m) * load_f(c + j, m));
-                store_t(o + j, xc + Vec::loadu(x.data() + D + j, m) * load_f(s + j, m), m);
+            for (int64_t j = 0; j < half2; j += 2 * W) {
+                Vec x1a, x1b, x2a, x2b, ca, cb, sa, sb;
+                load2(x + j, x1a, x1b);
+                load2(x + half + j, x2a, x2b);
+                load2(c + j, ca, cb);
+                load2(s + j, sa, sb);
+                Vec pa = x1a * ca, pb = x1b * cb;
+                round2(pa, pb);
+                store2(o + j, pa + x2a * sa, pb + x2b * sb);
+                load2(c + half + j, ca, cb);
+                load2(s + half + j, sa, sb);
+                pa = x2a * ca;
+                pb = x2b * cb;
+                round2(pa, pb);
+                store2(o + half + j, pa + x1a * sa, pb + x1b * sb);
+            }
+            for (int64_t j = half2; j < half; j += W) {
+                const int64_t m = std::min(W, half - j);
+                const Vec x1 = load_f(x + j, m), x2 = load_f(x + half + j, m);
+                store_t(o + j, round_t(x1 * load_f(c + j, m)) + x2 * load_f(s + j, m), m);
+                store_t(o + half + j, round_t(x2 * load_f(c + half + j, m)) + x1 * load_f(s + half + j, m), m);
             }
         }
     }

@@ -37,10 +37,13 @@ def test_add_norm_is_the_residual_add_and_transformers_norm(dtype, n, size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_silu_mul_and_rope_are_the_eager_ops(dtype):
+@pytest.mark.parametrize("d,inter", [(24, 40), (64, 864), (96, 72)])
+def test_silu_mul_and_rope_are_the_eager_ops(dtype, d, inter):
+    """Widths done two vectors at a time (64, 864), one at a time and in part (24, 40), and
+    both (96: a rotated half of 48; 72)."""
     torch.manual_seed(1)
-    n, heads, kv_heads, d = 19, 4, 2, 24                    # 24: a tail short of a vector
-    gate_up = torch.randn(n, 2 * 40).to(dtype)
+    n, heads, kv_heads = 19, 4, 2
+    gate_up = torch.randn(n, 2 * inter).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     assert _close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up, dtype)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d).to(dtype)
