@@ -28,12 +28,13 @@ from engine.kv_cache import blocks_needed
 # neither the fused kernel nor its verify cost (2.2x a decode row at 5 query tokens), and
 # adaptive k over-drafted at batch 16-32 (0.91-0.95x of plain decoding).
 CONTEXT = 192
-VERSION = 14                      # bump when the forward's speed changes (kernels, layout; 10: the
+VERSION = 15                      # bump when the forward's speed changes (kernels, layout; 10: the
 #                                   fused kernel called without dynamo, engine/cpu_attention.py;
 #                                   11: the grid timed in interleaved passes, made monotone;
 #                                   12: the C++ attention kernel over d-major keys;
 #                                   13: the KV write and elementwise steps in C++ too;
-#                                   14: those two vectors at a time)
+#                                   14: those two vectors at a time;
+#                                   15: projections at bucketed row counts, warmed)
 SEQS = (1, 2, 4, 8, 16, 32)                     # batch sizes timed
 TOKENS_PER_SEQ = (1, 2, 3, 5, 8)                 # query tokens per sequence (1 + k)
 GRID = [(n, q) for n in SEQS for q in TOKENS_PER_SEQ]

@@ -95,3 +95,49 @@ def test_the_fused_kernel_never_compiles_while_serving(tiny_family):
         for t in tables:
             pool.free(t, "target")
     assert cpp_kernels.builds == built
+
+
+def test_projection_row_counts_are_bucketed_with_little_padding():
+    """oneDNN builds a kernel per row count (~0.75 ms): above EXACT_ROWS the forward pads to one
+    of 8 counts an octave, never more than 12.5%, so a model meets ~72 counts up to 2048."""
+    from models.llama import EXACT_ROWS, onednn_rows
+    counts = [onednn_rows(m) for m in range(1, 2049)]
+    assert counts[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
+    assert all(c >= m and c - m <= m / 8 for m, c in enumerate(counts, 1))
+    assert counts == sorted(counts) and len(set(counts)) <= 72
+    assert all(onednn_rows(c) == c for c in counts)          # a bucket is its own bucket
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_projections_give_each_row_what_it_gets_alone(tiny_family, dtype):
+    """The zero rows a projection is padded with change no bit of the real rows (each row of a
+    oneDNN projection is computed alone), and are not returned."""
+    from models.llama import onednn_rows
+    m = load_model(tiny_family["target"], dtype=dtype)
+    fw = LlamaForward(m.model)
+    if fw.kernel != "onednn":
+        pytest.skip("oneDNN projections only")
+    layer = fw.layers[0]
+    x = torch.randn(300, layer.gate_up.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+    for rows in (17, 37, 300):
+        out = fw._linear(x[:rows], layer.gate_up)
+        assert out.shape[0] == rows                          # ran at the bucket, cut back
+        assert out.untyped_storage().nbytes() == onednn_rows(rows) * out[0].nbytes
+        for i in (0, rows // 2, rows - 1):
+            assert torch.equal(out[i], fw._linear(x[i:i + 1], layer.gate_up)[0]), (rows, i)
+
+
+def test_warm_builds_every_row_count_the_forward_can_meet(tiny_family):
+    m = load_model(tiny_family["target"])
+    fw = LlamaForward(m.model)
+    if fw.kernel != "onednn":
+        pytest.skip("oneDNN projections only")
+    seen, linear = set(), fw._linear
+    fw._linear = lambda x, w, b=None: seen.add((x.shape[0], tuple(w.shape))) or linear(x, w, b)
+    fw.warm(300, 40)
+    from models.llama import onednn_rows
+    layer = fw.layers[0]
+    for rows in range(1, 301):
+        for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            assert (onednn_rows(rows), tuple(w.shape)) in seen, rows
+        assert ((onednn_rows(rows), tuple(fw.lm_head.shape)) in seen) == (rows <= 40), rows
