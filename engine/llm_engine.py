@@ -26,7 +26,7 @@ from engine.memory import kv_budget_bytes
 from engine.metrics import Metrics, MetricsSnapshot
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import K_MAX, FinishReason, RequestOptions, SamplingParams
+from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
 from engine.spec_decode import StepResult, StepTimes, step
@@ -77,11 +77,6 @@ class LLMEngine:
             if self.draft is not None:
                 self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
         self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
-        if config.profile:     # start-up work beside the profile, which it makes truthful
-            rows = config.max_num_batched_tokens
-            logit_rows = min(rows, config.max_num_seqs * (1 + K_MAX))
-            for fw in filter(None, (self.target_fw, self.draft_fw)):
-                fw.warm(rows, logit_rows)
         self.cost = CalibratedCost(self._cost_model(), draft_excess=True)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  prefill_mode=config.prefill_mode,

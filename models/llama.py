@@ -21,6 +21,7 @@ the LM head are replicated (they are small next to the layers).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,8 +37,8 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 SUPPORTED = {"llama", "mistral", "qwen2"}
 
 # oneDNN keeps the last 1024 kernels it built in a process; a target and its draft at every
-# bucketed row count (`onednn_rows`, `LlamaForward.warm`) need ~1,500, and with 1024 the
-# first ones warmed were rebuilt in serving (0.7 ms each). Read at oneDNN's first use, so set
+# bucketed row count (`onednn_rows`, built by `RowPlan`) need ~1,500, and with 1024 the
+# first ones built were rebuilt in serving (0.7 ms each). Read at oneDNN's first use, so set
 # here, before any model is built; a value the user set wins.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")
 
@@ -80,8 +81,9 @@ def _cpu_kernel(dtype: torch.dtype = torch.float32) -> str:
     """How projections run on CPU, measured on this project's 2-core AMD machine (fp32):
 
     - "onednn": oneDNN with weights prepacked once (the kernel torch.compile's CPU backend
-      uses). Each output row is computed the same way whatever the number of rows, so a token's
-      logits do not depend on what else is in the batch (bitwise, checked for M = 1..33), and
+      uses). Each output row is computed the same way whatever the number of rows up to a
+      per-shape set of row counts the forward measures and keeps its calls to (`RowPlan`), so
+      a token's logits do not depend on what else is in the batch (bitwise, tested), and
       2-16 rows cost little more than one (5 rows of the target's MLP: 76 us against MKL's
       143 us; one row 51 against 42). Verifying k + 1 tokens is then nearly free, as on a GPU.
     - "mkl": [in, out] weights through MKL (x @ W), 1.2-2.7x faster than F.linear's [out, in]
@@ -116,6 +118,79 @@ def onednn_rows(rows: int) -> int:
 
 
 EXACT_ROWS = 16
+PROBE_ROWS = 2048    # row counts tried for bit-exact rows (`RowPlan`); the LM head's up to
+PROBE_LOGIT_ROWS = 512   # (a step's logit rows: its sequences' 1 + k); beyond, in pieces
+ALONE_ROWS = 256     # rows a plan computes one at a time, the reference for calls up to that
+
+
+def _timed(run, x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    run(x)
+    return time.perf_counter() - start
+
+
+class RowPlan:
+    """How one oneDNN projection runs any number of rows with every row's output the bits it
+    gets alone: as calls at row counts found to keep them ("good" buckets of `onednn_rows`),
+    chosen to cost least.
+
+    At some row counts oneDNN splits the sum over the input dimension differently (bfloat16,
+    AMX Xeon, reference-py's 864-wide down projection: 36 to 288 rows; its draft's 688-wide one
+    96 to 240 but for 128; float32 from 2 rows once the input is 2048 wide), and a token's
+    logits then depended on how many rows were computed beside it: a verify forward (n x (k +
+    1) rows) no longer gave what plain decoding (n rows) gives, and greedy speculative output
+    left plain decoding's at batch 16-32 (bench engine, sessions 27-28). Each bucket is tried
+    on random rows against the same rows computed alone (up to ALONE_ROWS, every whole call of
+    it among them) or in pieces already found exact; a row count that fails runs padded up to
+    a good one or in good pieces, whichever
+    the call times measured here price lower (a padding row like a computed one). Building a plan also builds oneDNN's kernel for every bucket (~0.75 ms
+    each), so no step builds one."""
+
+    def __init__(self, run, width: int, dtype: torch.dtype, max_rows: int):
+        self.run = run                                   # x [m, width] -> [m, out]
+        buckets = sorted({onednn_rows(m) for m in range(1, max_rows + 1)})
+        # heavy-tailed rows: sums that cancel, so that a changed order shows in the rounded
+        # output (with plain normal rows one 48-row call in three looked exact when it was not)
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(max(max_rows, ALONE_ROWS), width, generator=g)
+             * torch.exp(2 * torch.randn(max(max_rows, ALONE_ROWS), width, generator=g))).to(dtype)
+        alone = torch.cat([run(x[i:i + 1]) for i in range(ALONE_ROWS)])
+        good, seconds = {}, {}
+        for m in buckets:
+            if m <= ALONE_ROWS:         # every whole call of m rows among the rows run alone
+                good[m] = all(torch.equal(run(x[i:i + m]), alone[i:i + m])
+                              for i in range(0, ALONE_ROWS - m + 1, m))
+            else:                       # against pieces already found exact
+                piece = max(p for p in good if good[p] and p <= ALONE_ROWS)
+                ref = torch.cat([run(x[i:i + piece]) for i in range(0, m, piece)])[:m]
+                good[m] = torch.equal(run(x[:m]), ref)
+            seconds[m] = min(_timed(run, x[:m]) for _ in range(3))
+        self.good = [m for m in buckets if good[m]]
+        for a, b in zip(self.good, self.good[1:]):     # more rows never priced lower (noise)
+            seconds[b] = max(seconds[a], seconds[b])
+        self.plans: dict[int, tuple[int, ...]] = {}
+        best: dict[int, float] = {}
+        for m in buckets:                       # cheapest good calls covering m rows
+            up = next((g for g in self.good if g >= m), None)
+            # padding writes its zero rows first: priced like computing them again
+            top = max(g for g in self.good if g <= m)      # (1 always is): whole pieces of it
+            options = [((top,) * -(-m // top), seconds[top] * -(-m // top))]
+            if up is not None:
+                options.append(((up,), seconds[up] * (2 - m / up)))
+            for g in self.good:
+                rest = onednn_rows(m - g) if g < m else m
+                if rest < m:
+                    options.append(((g,) + self.plans[rest], seconds[g] + best[rest]))
+            self.plans[m], best[m] = min(options, key=lambda o: o[1])
+        self.max_rows, self.largest = buckets[-1], self.good[-1]
+
+    def calls(self, rows: int) -> list[int]:
+        """The row counts to call at (good buckets), in order, covering `rows`."""
+        out = []
+        while rows > self.max_rows:
+            out.append(self.largest)
+            rows -= self.largest
+        return out + list(self.plans[onednn_rows(rows)])
 
 
 def _prepare(weight: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -199,34 +274,44 @@ class LlamaForward:
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        # oneDNN: per projection shape, the calls that keep every row bit-exact (`RowPlan`)
+        self.row_plans: dict[tuple, RowPlan] = {}
+        if self.kernel == "onednn":
+            projections = [(self.lm_head, None, PROBE_LOGIT_ROWS)] + [
+                (w, b, PROBE_ROWS) for layer in self.layers[:1]
+                for w, b in ((layer.qkv, layer.qkv_bias), (layer.o_proj, layer.o_bias),
+                             (layer.gate_up, None), (layer.down, layer.down_bias))]
+            with torch.inference_mode():
+                for weight, bias, rows in projections:
+                    key = (tuple(weight.shape), bias is None)    # [out, in], reordered too
+                    if key not in self.row_plans:
+                        self.row_plans[key] = RowPlan(
+                            lambda x, w=weight, b=bias: self._onednn(x, w, b, x.shape[0]),
+                            weight.shape[1], self.dtype, rows)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if self.kernel == "onednn":
-            rows = x.shape[0]
-            padded = onednn_rows(rows)
-            if padded != rows:          # zero rows up to the bucket, dropped from the output
-                x = F.pad(x, (0, 0, 0, padded - rows))
-            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-            return out[:rows] if padded != rows else out
+            calls = self.row_plans[(tuple(weight.shape), bias is None)].calls(x.shape[0])
+            if len(calls) == 1:
+                return self._onednn(x, weight, bias, calls[0])
+            outs, start = [], 0
+            for m in calls:
+                outs.append(self._onednn(x[start:start + m], weight, bias, m))
+                start += m
+            return torch.cat(outs)[:x.shape[0]]
         if self.kernel == "mkl":
             return torch.addmm(bias, x, weight) if bias is not None else x @ weight
         return F.linear(x, weight, bias)
 
-    @torch.inference_mode()
-    def warm(self, max_rows: int, max_logit_rows: int) -> None:
-        """Run every projection shape once at each row count it can meet (`onednn_rows`'
-        buckets up to max_rows; the LM head up to max_logit_rows), so that oneDNN builds its
-        kernels at start, not in the steps that first bring a row count (a verify, a prompt
-        chunk: ~0.75 ms a shape each). Nothing to do off oneDNN."""
-        if self.kernel != "onednn" or not self.layers:
-            return
-        layer = self.layers[0]                 # the kernels depend on shapes, not on weights
-        projections = [(layer.qkv, layer.qkv_bias), (layer.o_proj, layer.o_bias),
-                       (layer.gate_up, None), (layer.down, layer.down_bias)]
-        for m in sorted({onednn_rows(m) for m in range(1, max_rows + 1)}):
-            head = [(self.lm_head, None)] if m <= onednn_rows(max_logit_rows) else []
-            for weight, bias in projections + head:   # [out, in] (oneDNN's reordered ones too)
-                self._linear(torch.zeros(m, weight.shape[1], dtype=self.dtype), weight, bias)
+    @staticmethod
+    def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                padded: int) -> torch.Tensor:
+        """One oneDNN call at `padded` rows (x's, then zero rows, dropped from the output)."""
+        rows = x.shape[0]
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return out[:rows] if padded != rows else out
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As transformers: normalise in float32, cast back, then scale (one fused op in float32).

@@ -108,36 +108,54 @@ def test_projection_row_counts_are_bucketed_with_little_padding():
     assert all(onednn_rows(c) == c for c in counts)          # a bucket is its own bucket
 
 
+@pytest.fixture(scope="module")
+def wide_mlp(tmp_path_factory):
+    """A tiny Llama whose MLP is 864 wide (reference-py's): oneDNN's bfloat16 kernels split a
+    sum that wide differently once a call has more than ~32 rows."""
+    from tiny_models import make_llama, make_tokenizer
+    folder = tmp_path_factory.mktemp("wide-mlp")
+    make_llama(folder, make_tokenizer(folder), layers=1, hidden=320, heads=5, kv_heads=5, mlp=864)
+    return folder
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_padded_projections_give_each_row_what_it_gets_alone(tiny_family, dtype):
-    """The zero rows a projection is padded with change no bit of the real rows (each row of a
-    oneDNN projection is computed alone), and are not returned."""
-    from models.llama import onednn_rows
-    m = load_model(tiny_family["target"], dtype=dtype)
-    fw = LlamaForward(m.model)
+def test_projections_give_each_row_what_it_gets_alone(wide_mlp, dtype):
+    """Padded to a bucket (zero rows, not returned) or run in pieces, every row of a projection
+    has the bits it gets alone: what greedy speculative decoding equal to plain decoding rests
+    on (a verify forward has n x (k + 1) rows, a decode n). Calling oneDNN at every row count,
+    the 864-wide down projection in bfloat16 gave other bits at 36-288 rows."""
+    fw = LlamaForward(load_model(wide_mlp, dtype=dtype).model)
     if fw.kernel != "onednn":
         pytest.skip("oneDNN projections only")
     layer = fw.layers[0]
-    x = torch.randn(300, layer.gate_up.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
-    for rows in (17, 37, 300):
-        out = fw._linear(x[:rows], layer.gate_up)
-        assert out.shape[0] == rows                          # ran at the bucket, cut back
-        assert out.untyped_storage().nbytes() == onednn_rows(rows) * out[0].nbytes
-        for i in (0, rows // 2, rows - 1):
-            assert torch.equal(out[i], fw._linear(x[i:i + 1], layer.gate_up)[0]), (rows, i)
+    gen = torch.Generator().manual_seed(0)
+    for weight, bias in ((layer.gate_up, None), (layer.down, layer.down_bias)):
+        x = torch.randn(2100, weight.shape[1], generator=gen).to(dtype)
+        alone = torch.cat([fw._linear(x[i:i + 1], weight, bias) for i in range(300)])
+        for rows in (17, 37, 96, 200, 300):
+            assert torch.equal(fw._linear(x[:rows], weight, bias), alone[:rows]), rows
+        out = fw._linear(x, weight, bias)                  # past the rows a plan was made for
+        assert out.shape[0] == 2100 and torch.equal(out[:300], alone)
+        plan = fw.row_plans[(tuple(weight.shape), bias is None)]
+        assert all(m in plan.good for m in plan.calls(2100))
+        assert sum(plan.calls(37)) >= 37 and sum(plan.calls(37)) - 37 < max(plan.calls(37))
 
 
-def test_warm_builds_every_row_count_the_forward_can_meet(tiny_family):
-    m = load_model(tiny_family["target"])
-    fw = LlamaForward(m.model)
+def test_a_row_plan_keeps_its_calls_to_row_counts_that_are_built_and_exact(wide_mlp):
+    """No projection at up to 2048 rows (the LM head 512) calls oneDNN at a row count its plan
+    did not try and find exact (each new one also builds a kernel mid-step: ~0.75 ms)."""
+    from models.llama import onednn_rows
+    fw = LlamaForward(load_model(wide_mlp, dtype=torch.bfloat16).model)
     if fw.kernel != "onednn":
         pytest.skip("oneDNN projections only")
-    seen, linear = set(), fw._linear
-    fw._linear = lambda x, w, b=None: seen.add((x.shape[0], tuple(w.shape))) or linear(x, w, b)
-    fw.warm(300, 40)
-    from models.llama import onednn_rows
+    calls, onednn = [], fw._onednn
+    fw._onednn = lambda x, w, b, m: calls.append((m, tuple(w.shape))) or onednn(x, w, b, m)
     layer = fw.layers[0]
-    for rows in range(1, 301):
-        for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-            assert (onednn_rows(rows), tuple(w.shape)) in seen, rows
-        assert ((onednn_rows(rows), tuple(fw.lm_head.shape)) in seen) == (rows <= 40), rows
+    for weight, bias, top in ((layer.qkv, layer.qkv_bias, 2048), (layer.down, layer.down_bias, 2048),
+                              (fw.lm_head, None, 512)):
+        plan = fw.row_plans[(tuple(weight.shape), bias is None)]
+        assert len(plan.plans) == len({onednn_rows(m) for m in range(1, top + 1)})
+        for rows in range(1, top + 1, 7):
+            calls.clear()
+            fw._linear(torch.zeros(rows, weight.shape[1], dtype=torch.bfloat16), weight, bias)
+            assert all(m in plan.good for m, _ in calls), (rows, calls)
