@@ -46,7 +46,7 @@ def test_generate_streams_chunks_and_counts(small):
 
 
 def test_stream_interval_gathers_tokens_after_the_first(small, tiny_family):
-    """stream_interval 5: the first token goes alone, then chunks of at least five but the
+    """stream_interval 5: the first token goes at once, then chunks of at least five but the
     last; the same tokens as a stream of every step (greedy)."""
     sampling = {"max_tokens": 17, "temperature": 0, "ignore_eos": True}
     every = _collect(small, _request("every", prompt="def add(a, b):", sampling=sampling))
@@ -57,7 +57,10 @@ def test_stream_interval_gathers_tokens_after_the_first(small, tiny_family):
     finally:
         gathered.engine.shutdown()
     sizes = [len(c.token_ids) for c in chunks]
-    assert sum(sizes) == 17 and min(sizes[1:-1]) >= 5 and len(chunks) <= 5, sizes
+    # (on a loaded machine a consumer that lags gets outputs already merged: the first chunk
+    # may hold more than one token, the rest fewer chunks; CI once saw [1, 16])
+    assert sum(sizes) == 17 and all(n >= 5 for n in sizes[1:-1]), sizes
+    assert len(chunks) <= 5, sizes
     assert [t for c in chunks for t in c.token_ids] == [t for c in every for t in c.token_ids]
     assert "".join(c.text for c in chunks) == "".join(c.text for c in every)
     assert chunks[-1].finished and chunks[-1].num_output_tokens == 17
