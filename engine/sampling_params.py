@@ -75,9 +75,6 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-K_MAX = 16      # the most draft tokens a request may ask for a step
-
-
 @dataclass
 class RequestOptions:
     """How the engine runs a request; chosen by the router, not the caller's sampling."""
@@ -89,5 +86,5 @@ class RequestOptions:
         self.mode = Mode(self.mode)
         if not _is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
-        if not _is_int(self.k_max) or not 0 <= self.k_max <= K_MAX:
-            raise ValueError(f"k_max must be in 0..{K_MAX}, got {self.k_max}")
+        if not _is_int(self.k_max) or not 0 <= self.k_max <= 16:
+            raise ValueError(f"k_max must be in 0..16, got {self.k_max}")

@@ -184,13 +184,12 @@ class RowPlan:
             self.plans[m], best[m] = min(options, key=lambda o: o[1])
         self.max_rows, self.largest = buckets[-1], self.good[-1]
 
-    def calls(self, rows: int) -> list[int]:
+    def calls(self, rows: int) -> tuple[int, ...]:
         """The row counts to call at (good buckets), in order, covering `rows`."""
-        out = []
-        while rows > self.max_rows:
-            out.append(self.largest)
-            rows -= self.largest
-        return out + list(self.plans[onednn_rows(rows)])
+        if rows <= self.max_rows:                     # every step's case: one lookup
+            return self.plans[onednn_rows(rows)]
+        pieces = -(-(rows - self.max_rows) // self.largest)
+        return (self.largest,) * pieces + self.calls(rows - pieces * self.largest)
 
 
 def _prepare(weight: torch.Tensor, kernel: str) -> torch.Tensor:
