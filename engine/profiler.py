@@ -34,7 +34,7 @@ VERSION = 15                      # bump when the forward's speed changes (kerne
 #                                   12: the C++ attention kernel over d-major keys;
 #                                   13: the KV write and elementwise steps in C++ too;
 #                                   14: those two vectors at a time;
-#                                   15: projections at bucketed row counts, warmed)
+#                                   15: projections at bucketed, bit-exact row counts)
 SEQS = (1, 2, 4, 8, 16, 32)                     # batch sizes timed
 TOKENS_PER_SEQ = (1, 2, 3, 5, 8)                 # query tokens per sequence (1 + k)
 GRID = [(n, q) for n in SEQS for q in TOKENS_PER_SEQ]

@@ -142,12 +142,13 @@ class RowPlan:
     left plain decoding's at batch 16-32 (bench engine, sessions 27-28). Each bucket is tried
     on random rows against the same rows computed alone (up to ALONE_ROWS, every whole call of
     it among them) or in pieces already found exact; a row count that fails runs padded up to
-    a good one or in good pieces, whichever
-    the call times measured here price lower (a padding row like a computed one). Building a plan also builds oneDNN's kernel for every bucket (~0.75 ms
-    each), so no step builds one."""
+    a good one or in good pieces, whichever the call times measured here price lower (a
+    padding row priced like a computed one). Building a plan also builds oneDNN's kernel for
+    every bucket (~0.75 ms each), so no step builds one.
+
+    run: x [m, width] -> [m, out], one oneDNN call at m rows."""
 
     def __init__(self, run, width: int, dtype: torch.dtype, max_rows: int):
-        self.run = run                                   # x [m, width] -> [m, out]
         buckets = sorted({onednn_rows(m) for m in range(1, max_rows + 1)})
         # heavy-tailed rows: sums that cancel, so that a changed order shows in the rounded
         # output (with plain normal rows one 48-row call in three looked exact when it was not)
