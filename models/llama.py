@@ -288,10 +288,22 @@ class LlamaForward:
                         self.row_plans[key] = RowPlan(
                             lambda x, w=weight, b=bias: self._onednn(x, w, b, x.shape[0]),
                             weight.shape[1], self.dtype, rows)
+        # each weight's plan by identity: the projection's lookup in the step (every layer's
+        # weights share their shape's plan)
+        self._plan_of = {id(w): self.row_plans[(tuple(w.shape), b is None)]
+                         for layer in self.layers
+                         for w, b in ((layer.qkv, layer.qkv_bias), (layer.o_proj, layer.o_bias),
+                                      (layer.gate_up, None), (layer.down, layer.down_bias))
+                         if (tuple(w.shape), b is None) in self.row_plans}
+        if (tuple(self.lm_head.shape), True) in self.row_plans:
+            self._plan_of[id(self.lm_head)] = self.row_plans[(tuple(self.lm_head.shape), True)]
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if self.kernel == "onednn":
-            calls = self.row_plans[(tuple(weight.shape), bias is None)].calls(x.shape[0])
+            plan = self._plan_of.get(id(weight))
+            if plan is None:
+                plan = self.row_plans[(tuple(weight.shape), bias is None)]
+            calls = plan.calls(x.shape[0])
             if len(calls) == 1:
                 return self._onednn(x, weight, bias, calls[0])
             outs, start = [], 0
