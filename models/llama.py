@@ -274,11 +274,13 @@ class LlamaForward:
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        # oneDNN: per projection shape, the calls that keep every row bit-exact (`RowPlan`)
+        # oneDNN: per projection shape, the calls that keep every row bit-exact (`RowPlan`),
+        # and each weight's plan by identity (the step's lookup; a shape's layers share one)
         self.row_plans: dict[tuple, RowPlan] = {}
+        self._plan_of: dict[int, RowPlan] = {}
         if self.kernel == "onednn":
             projections = [(self.lm_head, None, PROBE_LOGIT_ROWS)] + [
-                (w, b, PROBE_ROWS) for layer in self.layers[:1]
+                (w, b, PROBE_ROWS) for layer in self.layers
                 for w, b in ((layer.qkv, layer.qkv_bias), (layer.o_proj, layer.o_bias),
                              (layer.gate_up, None), (layer.down, layer.down_bias))]
             with torch.inference_mode():
@@ -288,21 +290,12 @@ class LlamaForward:
                         self.row_plans[key] = RowPlan(
                             lambda x, w=weight, b=bias: self._onednn(x, w, b, x.shape[0]),
                             weight.shape[1], self.dtype, rows)
-        # each weight's plan by identity: the projection's lookup in the step (every layer's
-        # weights share their shape's plan)
-        self._plan_of = {id(w): self.row_plans[(tuple(w.shape), b is None)]
-                         for layer in self.layers
-                         for w, b in ((layer.qkv, layer.qkv_bias), (layer.o_proj, layer.o_bias),
-                                      (layer.gate_up, None), (layer.down, layer.down_bias))
-                         if (tuple(w.shape), b is None) in self.row_plans}
-        if (tuple(self.lm_head.shape), True) in self.row_plans:
-            self._plan_of[id(self.lm_head)] = self.row_plans[(tuple(self.lm_head.shape), True)]
+                    self._plan_of[id(weight)] = self.row_plans[key]
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         if self.kernel == "onednn":
-            plan = self._plan_of.get(id(weight))
-            if plan is None:
-                plan = self.row_plans[(tuple(weight.shape), bias is None)]
+            plan = self._plan_of.get(id(weight)) or self.row_plans[(tuple(weight.shape),
+                                                                    bias is None)]
             calls = plan.calls(x.shape[0])
             if len(calls) == 1:
                 return self._onednn(x, weight, bias, calls[0])
