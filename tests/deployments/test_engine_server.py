@@ -49,8 +49,9 @@ def test_stream_interval_gathers_tokens_after_the_first(small, tiny_family):
     """stream_interval 5: the first token goes at once, then chunks of at least five but the
     last; the same tokens as a stream of every step (greedy)."""
     sampling = {"max_tokens": 17, "temperature": 0, "ignore_eos": True}
+    # (a stream of every step; its chunk count is not asserted: a consumer that lags on a
+    # loaded machine gets outputs already merged, and CI saw 4 chunks for 17 tokens)
     every = _collect(small, _request("every", prompt="def add(a, b):", sampling=sampling))
-    assert len(every) > 5         # a step's token each (outputs that piled up go as one)
     gathered = _server(SmallServer, tiny_family, stream_interval=5)
     try:
         chunks = _collect(gathered, _request("five", prompt="def add(a, b):", sampling=sampling))

@@ -122,17 +122,21 @@ def test_outputs_that_pile_up_go_out_as_one_with_nothing_lost(aengine):
     same tokens and text in order, the counts of the latest step, one final chunk."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
-    async def read(request_id, pause_s):
+    async def read(request_id, slow):
         chunks = []
         async for out in aengine.generate(request_id, [5, 7, 9, 11], params,
                                           RequestOptions("baseline")):
             chunks.append(out)
-            await asyncio.sleep(pause_s)
+            while slow and aengine.stats().num_running:   # busy until the engine has done
+                await asyncio.sleep(0.01)
+            if slow:
+                await asyncio.sleep(0.2)                  # its last outputs on their way here
         return chunks
 
-    fast = asyncio.run(read("fast", 0))
-    slow = asyncio.run(read("slow", 0.05))
-    assert len(fast) > 20 and len(slow) <= 10     # steps take ~1 ms, the slow reader 50
+    fast = asyncio.run(read("fast", False))
+    slow = asyncio.run(read("slow", True))
+    # (no count asserted for the fast reader: on a loaded machine it lags too; CI saw it)
+    assert len(slow) <= 3, [len(c.token_ids) for c in slow]   # one a step would be 40
     assert [t for c in slow for t in c.token_ids] == [t for c in fast for t in c.token_ids]
     assert "".join(c.text for c in slow) == "".join(c.text for c in fast)
     assert slow[-1].finished and not any(c.finished for c in slow[:-1])
