@@ -94,6 +94,9 @@ def _port_free(host: str, port: int) -> bool:
     import socket
 
     with socket.socket() as sock:
+        # as the server will bind it (uvicorn sets SO_REUSEADDR): a stopped server's connections
+        # in TIME_WAIT do not keep the port from it, a listener does
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -26,3 +26,26 @@ def test_up_refuses_a_bad_direct_port_before_starting_ray(tiny_family, tmp_path,
     assert up.run(parser.parse_args(["--config", str(path)])) == 2
     assert "direct_ingress_port" in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+def test_a_port_a_stopped_server_just_closed_is_free_to_serve_on():
+    """`specserve up` right after a stop: the old server's closed connections linger on the
+    port in TIME_WAIT for a minute, and a server that sets SO_REUSEADDR (uvicorn, Serve's
+    ingress) binds it at once; the launcher's check refused it (exit 2) until the minute
+    passed (session 29), while a port that something listens on stays refused."""
+    import socket
+
+    from cluster.launch.up import _port_free
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    assert not _port_free("127.0.0.1", port)        # listening: in use
+    conn.close()                                     # the server's side closes first: TIME_WAIT
+    client.close()
+    server.close()
+    assert _port_free("127.0.0.1", port)
