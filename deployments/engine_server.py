@@ -92,21 +92,24 @@ class EngineServer:
     async def ready(self) -> dict:
         self._start_exporter()
         return {"kind": self.kind, "max_model_len": self.engine.max_model_len,
-                "stats": self.record_routing_stats()}
+                "stats": await self.record_routing_stats()}
 
-    def record_routing_stats(self):
+    async def record_routing_stats(self):
         """Serve calls this every `request_routing_stats_period_s`; callers' routers get it.
 
         The engine's `EngineStats`, as is (`available` is False once the engine loop died, so
-        least-loaded routing skips this replica at once until Serve replaces it)."""
-        return self.engine.stats()
+        least-loaded routing skips this replica at once until Serve replaces it). Asked in a
+        thread: the engine process answers between two steps, and Serve runs this on the
+        replica's event loop (with user code on its main loop, `cluster/launch/ray_local.py`,
+        a blocking call here stalled every stream of the replica for up to a step)."""
+        return await asyncio.to_thread(self.engine.stats)
 
     async def stats(self) -> dict:
         """Engine stats and cumulative metrics, for `specserve status` and tests."""
         from dataclasses import asdict
 
-        return {"stats": asdict(self.engine.stats()), "metrics": asdict(self.engine.metrics()),
-                "pid": os.getpid()}
+        stats, metrics = await asyncio.to_thread(self._snapshot)
+        return {"stats": asdict(stats), "metrics": asdict(metrics), "pid": os.getpid()}
 
     async def inject_fault(self, kind: str, count: int = 1, after: int = 0) -> None:
         """TEST ONLY: arm a real fault in the engine (refused unless the tier's engine_args set
@@ -245,10 +248,15 @@ class EngineServer:
         if self._exporter is None:
             self._exporter = asyncio.get_running_loop().create_task(self._export_loop())
 
+    def _snapshot(self):
+        """Stats and cumulative metrics (blocking: each waits for the engine between steps)."""
+        return self.engine.stats(), self.engine.metrics()
+
     async def _export_loop(self) -> None:
         while True:
             try:
-                self.metrics.export(self.engine.stats(), self.engine.metrics())
+                stats, metrics = await asyncio.to_thread(self._snapshot)
+                self.metrics.export(stats, metrics)
             except Exception:
                 logger.exception("metrics export failed")
             await asyncio.sleep(self._stats_period_s)

@@ -14,7 +14,7 @@ from cluster.launch import ray_local
 from serving_helpers import MODEL, served_app, sse_events
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-FLAGS = tuple(ray_local.direct_ingress_env(1))
+FLAGS = (*ray_local.direct_ingress_env(1), *ray_local.serve_speed_env(False))
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,7 @@ def _post(url: str, key: str, body: dict) -> httpx.Response:
 def test_direct_port_is_its_own_server(app):
     assert app.direct_url and app.direct_url != app.url
     assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert httpx.get(app.direct_url + "/health", timeout=30).status_code == 200
 
 
@@ -74,6 +75,17 @@ def test_env_for_one_port():
     assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8124"     # range [min, max)
     assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
     assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+
+
+def test_serve_runs_throughput_optimized_with_direct_ingress_as_asked(monkeypatch):
+    for name in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_DIRECT_INGRESS"):
+        monkeypatch.delenv(name, raising=False)
+    # the mode turns direct ingress on by default: off unless the launcher asked for a port
+    assert ray_local.serve_speed_env(False) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                                                "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    assert ray_local.serve_speed_env(True) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")     # the user's own choice wins
+    assert ray_local.serve_speed_env(False) == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 
 
 def test_same_port_as_the_proxy_is_refused():

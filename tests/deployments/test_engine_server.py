@@ -37,6 +37,35 @@ def small(tiny_family):
     server.engine.shutdown()
 
 
+def test_asking_the_engine_for_stats_leaves_the_event_loop_free(small):
+    """The engine process answers stats between two steps; Serve asks on the replica's event
+    loop, which carries every stream (with user code on Serve's main loop, Serve's own work
+    too). Stopped (SIGSTOP), the engine process cannot answer: the loop must run on."""
+    import os
+    import signal
+    import threading
+
+    pid = small.engine.pid
+    for ask in (small.record_routing_stats, small.stats):
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(1.0, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+
+        async def run():
+            task, ticks = asyncio.ensure_future(ask()), 0
+            while not task.done():
+                await asyncio.sleep(0.01)
+                ticks += 1
+            return ticks, task.result()
+
+        try:
+            ticks, answer = asyncio.run(run())
+        finally:
+            resume.join()
+        assert ticks >= 20, f"the event loop stood still while {ask.__name__} waited"
+        assert answer  # the stats came once the engine went on
+
+
 def test_generate_streams_chunks_and_counts(small):
     chunks = _collect(small, _request(prompt="def add(a, b):"))
     assert chunks[-1].finished and chunks[-1].num_output_tokens == 4
@@ -127,7 +156,7 @@ def test_a_failed_request_is_503_and_the_replica_serves_on(tiny_family):
         assert err.value.status == 503 and err.value.code == "engine_error"
         assert "injected" not in err.value.message       # no exception text to the client
         server.check_health()
-        assert server.record_routing_stats().available is True
+        assert asyncio.run(server.record_routing_stats()).available is True
         assert _collect(server, _request(prompt="def add(a, b):"))[-1].finished
         assert server.engine.stats().kv_used_target_bytes == 0
     finally:
@@ -170,7 +199,7 @@ def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
         assert err.value.status == 503 and err.value.code == "replica_failed"
         with pytest.raises(RuntimeError, match="engine loop stopped"):
             server.check_health()
-        dead = server.record_routing_stats()
+        dead = asyncio.run(server.record_routing_stats())
         assert dead.available is False and dead.num_running == 0
 
         class Replica:                 # what Serve's router holds: the replica's reported stats
