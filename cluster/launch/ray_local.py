@@ -150,11 +150,15 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
         if direct_ingress_port == http_port:
             raise ValueError("direct_ingress_port must differ from http_port (the proxy's)")
         _set_env(direct_ingress_env(direct_ingress_port))
+    import ray
+    from ray import serve       # this driver's Serve settings are read here, before the mode's
+
     if throughput_optimized:
+        # For the processes ray.init starts (they inherit the environment), not this driver: its
+        # handles are called from plain code (`.result()`), which a handle whose router runs on
+        # the caller's event loop refuses.
         _set_env(serve_speed_env(direct_ingress_port is not None))
     path = enable_token_auth(token_path)
-    import ray
-    from ray import serve
 
     metrics_port = metrics_port or free_port()
     context = ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,

@@ -46,10 +46,17 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float) -
         time.sleep(0.5)
 
 
-def test_sigterm_drains_the_stream_and_exits_0(long_family, tmp_path):
+@pytest.mark.parametrize("exported", [None, "1"], ids=["serve-defaults", "mode-exported"])
+def test_sigterm_drains_the_stream_and_exits_0(long_family, tmp_path, exported):
+    """`exported`: the user exported RAY_SERVE_THROUGHPUT_OPTIMIZED=1, so `specserve up`'s own
+    process runs Serve's handles in that mode too (their router on the caller's event loop,
+    which refused the drain's plain `.result()` calls: the drain was skipped)."""
     port = free_port()
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_TOKEN_PATH": str(tmp_path / "token")}
+    env.pop("RAY_SERVE_THROUGHPUT_OPTIMIZED", None)
+    if exported:
+        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = exported
     cmd = [sys.executable, "-m", "cluster", "up", "--config", str(_config(tmp_path, long_family,
            port)), "--num-cpus", "4", "--no-dashboard", "--drain-timeout", "60"]
     with open(out, "w") as stdout, open(err, "w") as stderr:
