@@ -171,6 +171,12 @@ SCALE_RELAX = 0.02         # ... draft_excess: spec_scale's pull back to 1 per s
 # 52.7 measured), and it does not see what a closed batch loses to sequences finishing unevenly
 # (notes/issue10.md, session 22).
 MIN_GAIN = 0.05
+# ... and where a sequence runs alone, neither holds: the profile is taken at batch 1 and there is
+# no batch to finish unevenly. Alone it drafts where that pays 2%, the margin the router asks of
+# a request alone (`router.policy.PolicyConfig.min_gain`). At 5% the 70B scenario's single user
+# (issue 8, `simulate --scenario seed-4xa100`, draft sharded) kept plain decoding for requests
+# whose drafting paid 2-5%: always-adaptive 38.8 tok/s against fixed k = 4's 39.7; at 2%, 40.6.
+MIN_GAIN_ALONE = 0.02
 PAYBACK_STEPS = 32   # a draft's catch-up pays back within the sequence's steps left, at most this
 CATCH_UP_MAX = 3     # draft tokens to catch up on that still make a decode step (calibration's)
 
@@ -522,9 +528,11 @@ def engine_choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: Ste
     """k per sequence by the engine's rule (`LLMEngine._choose_k`, and the simulator's engines,
     `cluster/sim/replica.py`, through this one function): pure goodput, since the latency guard
     is the router's business (DESIGN.md: "k per step maximises goodput"), drafting only at
-    MIN_GAIN over plain decoding, and never a batch split into drafting and not."""
+    MIN_GAIN over plain decoding (MIN_GAIN_ALONE for a sequence alone), and never a batch split
+    into drafting and not."""
+    min_gain = MIN_GAIN if len(acceptance) > 1 else MIN_GAIN_ALONE
     return choose_k(acceptance, k_max, cost, context_tokens, extra_tokens, max_slowdown=None,
-                    catch_up_s=catch_up_s, min_gain=MIN_GAIN, no_split=True)
+                    catch_up_s=catch_up_s, min_gain=min_gain, no_split=True)
 
 
 class _Memo:

@@ -173,16 +173,20 @@ def _decode_seqs(estimates: list[tuple[int, int]], speculative: int) -> list:
 
 def test_the_simulated_engine_keeps_the_engines_min_gain_and_never_splits_a_batch():
     """k by the engine's rule (`engine_choose_k`): drafting only at MIN_GAIN over plain
-    decoding, and a batch never split into drafting and not (the ones left out finish later
-    and alone). The simulated engine used to solve goodput without either."""
+    decoding (MIN_GAIN_ALONE for a sequence alone), and a batch never split into drafting and
+    not (the ones left out finish later and alone). The simulated engine used to solve goodput
+    without either."""
     from cluster.sim.replica import Replica
     from engine.cost_model import choose_k
 
     r = Replica(replica(LINEAR))   # c = 0.15, no cost a token: k = 1 gains (1 + a) / 1.15
-    # one sequence at a = 0.19 (gain 1.035) drafts under pure goodput, not under MIN_GAIN;
-    # at a = 0.22 (1.06) it does
-    assert r._choose_ks(_decode_seqs([(1900, 8100)], 1), 100, 0) == [0]
-    assert r._choose_ks(_decode_seqs([(2200, 7800)], 1), 100, 0) == [1]
+    # two sequences at a = 0.19 (gain 1.035) draft under pure goodput, not under MIN_GAIN;
+    # at a = 0.22 (1.06) they do; alone, a = 0.19 drafts (MIN_GAIN_ALONE, 2%), a = 0.16
+    # (1.009) does not
+    assert r._choose_ks(_decode_seqs([(1900, 8100)] * 2, 2), 100, 0) == [0, 0]
+    assert r._choose_ks(_decode_seqs([(2200, 7800)] * 2, 2), 100, 0) == [1, 1]
+    assert r._choose_ks(_decode_seqs([(1900, 8100)], 1), 100, 0) == [1]
+    assert r._choose_ks(_decode_seqs([(1600, 8400)], 1), 100, 0) == [0]
     # where tokens cost (1 ms a verified token, 0.3 ms a drafted one), a sequence at a = 0.05
     # beside four at 0.9 does not pay for its draft token, and drafts one anyway
     per_token = LinearStepCost(LinearCost(20e-3, 0.0, 1e-3), LinearCost(3e-3, 0.0, 0.3e-3))

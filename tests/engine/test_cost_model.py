@@ -476,6 +476,31 @@ def test_the_engine_keeps_min_gain_and_never_splits_its_batch(make_engine):
         assert engine._choose_k([a] * n, [4] * n, 0, 0) == (pure if pays else [0] * n)
 
 
+def test_a_sequence_alone_drafts_from_min_gain_alone(make_engine):
+    """Alone, the engine drafts where that pays MIN_GAIN_ALONE (the profile's batch, no batch to
+    finish unevenly), not MIN_GAIN: a gain between the two drafts alone and not in a batch."""
+    from engine.cost_model import MIN_GAIN, MIN_GAIN_ALONE
+
+    engine = _linear_engine(make_engine)
+    seen = set()
+    for a in [i / 100 for i in range(5, 60)]:
+        pure = choose_k([a], [4], LINEAR, max_slowdown=None)
+        gain = expected_tokens(a, pure[0]) / step_s(pure, LINEAR) * step_s([0], LINEAR) - 1.0
+        band = "under" if gain < MIN_GAIN_ALONE else "between" if gain < MIN_GAIN else "over"
+        if not any(pure) or abs(gain - MIN_GAIN_ALONE) < 1e-3 or abs(gain - MIN_GAIN) < 1e-3:
+            continue
+        seen.add(band)
+        assert engine._choose_k([a], [4], 0, 0) == (pure if band != "under" else [0]), (a, gain)
+        for n in (2, 8) if band == "between" else ():     # in a batch, MIN_GAIN holds
+            batch = choose_k([a] * n, [4] * n, LINEAR, max_slowdown=None)
+            batch_gain = (n * expected_tokens(a, batch[0]) / step_s(batch, LINEAR)
+                          / (n / step_s([0] * n, LINEAR)) - 1.0)
+            if batch_gain < MIN_GAIN:
+                seen.add(f"batch {n} kept plain")
+                assert engine._choose_k([a] * n, [4] * n, 0, 0) == [0] * n
+    assert seen == {"under", "between", "over", "batch 2 kept plain", "batch 8 kept plain"}
+
+
 def test_no_split_drafts_every_speculative_sequence_or_none():
     """With no_split, a sequence whose acceptance alone would not pay drafts one token when the
     rest of the batch drafts (a batch split into drafting and not leaves the non-drafting ones
