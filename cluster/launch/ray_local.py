@@ -140,11 +140,11 @@ class LocalRay:
 def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.1",
           http_port: int = 8000, metrics_port: int | None = None, dashboard: bool = True,
           dashboard_port: int = 8265, token_path: str | Path | None = None,
-          direct_ingress_port: int | None = None, throughput_optimized: bool = True) -> LocalRay:
-    """Start a local Ray cluster (this process is its driver) and Serve's HTTP proxy.
+          direct_ingress_port: int | None = None) -> LocalRay:
+    """Start a local Ray cluster (this process is its driver) and Serve's HTTP proxy, Serve in
+    its throughput-optimized mode (`serve_speed_env`; the user's exported value wins).
 
     `num_cpus` is always explicit: Ray's default (every core) oversubscribes small machines.
-    `throughput_optimized`: Serve's throughput-optimized mode (`serve_speed_env`).
     """
     if direct_ingress_port is not None:
         if direct_ingress_port == http_port:
@@ -153,11 +153,10 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
     import ray
     from ray import serve       # this driver's Serve settings are read here, before the mode's
 
-    if throughput_optimized:
-        # For the processes ray.init starts (they inherit the environment), not this driver: its
-        # handles are called from plain code (`.result()`), which a handle whose router runs on
-        # the caller's event loop refuses.
-        _set_env(serve_speed_env(direct_ingress_port is not None))
+    # For the processes ray.init starts (they inherit the environment), not this driver: its
+    # handles are called from plain code (`.result()`), which a handle whose router runs on the
+    # caller's event loop refuses.
+    _set_env(serve_speed_env(direct_ingress_port is not None))
     path = enable_token_auth(token_path)
 
     metrics_port = metrics_port or free_port()

@@ -57,17 +57,29 @@ class StopSignal:
 
 
 def _drain(app_name: str, timeout_s: float, stop: StopSignal) -> None:
-    """Stop admitting at the ingress, then wait (bounded) until nothing is in flight."""
+    """Stop admitting at the ingress, then wait (bounded) until nothing is in flight.
+
+    Awaited on a loop of its own, by a handle of its own that it shuts down on that loop: in
+    Serve's throughput-optimized mode (if the user exported it into this process too) a
+    handle's router runs on the caller's event loop, refuses plain `.result()` calls and cannot
+    be shut down once that loop is closed (Serve's cached handles are, at shutdown)."""
     from ray.serve.handle import DeploymentHandle
 
     async def drain() -> None:
-        # Awaited on a loop of its own, by a handle of its own that it shuts down on that loop:
-        # in Serve's throughput-optimized mode (if the user exported it into this process too)
-        # a handle's router runs on the caller's event loop, refuses plain `.result()` calls and
-        # cannot be shut down once that loop is closed (Serve's cached handles are, at shutdown).
         ingress = DeploymentHandle("Ingress", app_name)
         try:
-            await _drain_ingress(ingress, timeout_s, stop)
+            in_flight = await asyncio.wait_for(ingress.drain.remote(), 10)
+            print(f"draining: {in_flight} request(s) in flight (at most {timeout_s:.0f} s) ...",
+                  flush=True)
+            deadline = time.monotonic() + timeout_s
+            while in_flight and time.monotonic() < deadline and not stop.forced:
+                await asyncio.sleep(0.25)
+                in_flight = await asyncio.wait_for(ingress.in_flight.remote(), 10)
+            if in_flight:
+                print(f"drain ended with {in_flight} request(s) still in flight: they are cut",
+                      flush=True)
+            else:
+                await asyncio.sleep(0.5)    # the proxy sends the last bytes of the last response
         finally:
             await ingress.shutdown_async()
 
@@ -75,21 +87,6 @@ def _drain(app_name: str, timeout_s: float, stop: StopSignal) -> None:
         asyncio.run(drain())
     except Exception as exc:        # nothing deployed yet, or the app failed: just tear down
         print(f"drain skipped: {type(exc).__name__}: {exc}", flush=True)
-
-
-async def _drain_ingress(ingress, timeout_s: float, stop: StopSignal) -> None:
-    in_flight = await asyncio.wait_for(ingress.drain.remote(), 10)
-    print(f"draining: {in_flight} request(s) in flight (at most {timeout_s:.0f} s) ...",
-          flush=True)
-    deadline = time.monotonic() + timeout_s
-    while in_flight and time.monotonic() < deadline and not stop.forced:
-        await asyncio.sleep(0.25)
-        in_flight = await asyncio.wait_for(ingress.in_flight.remote(), 10)
-    if in_flight:
-        print(f"drain ended with {in_flight} request(s) still in flight: they are cut",
-              flush=True)
-    else:
-        await asyncio.sleep(0.5)    # the proxy sends the last bytes of the last response
 
 
 def _launcher(path: str, args) -> dict:
