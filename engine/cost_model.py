@@ -535,6 +535,57 @@ def engine_choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: Ste
                     catch_up_s=catch_up_s, min_gain=min_gain, no_split=True)
 
 
+PROBE_EVERY = 64     # steps without drafting before a probe (`DraftProbe`) ...
+PROBE_EVERY_MAX = 1024   # ... doubling, up to this, while the probes do not restart drafting
+
+
+class DraftProbe:
+    """Exploration for an engine that has stopped drafting (`LLMEngine._choose_k` and the
+    simulator's engines, `cluster/sim/replica.py`, through this one class).
+
+    What the engine knows of drafting, its acceptance and its price (`CalibratedCost`), moves
+    only with drafting steps: an engine that has stopped drafting on a stale acceptance or an
+    over-priced draft would never learn that it pays again. After PROBE_EVERY steps in which no
+    one drafted, the speculative sequence whose draft is least behind drafts one token (one:
+    its draft may first have to catch up on everything it skipped, a step the engine does not
+    calibrate on); the next step that sequence, or another whose draft is on time, drafts one
+    token again: a decode step the engine calibrates on, so the probe measures the draft's price
+    besides its acceptance. An engine pricing the draft at 1.3x its cost (issue 8, `simulate
+    --scenario seed-4xa100 --mismatch 0.3`, draft sharded, 20 users) otherwise stayed at plain
+    decoding's 510 tok/s and 33.5 s p95 where the true price drafts at 587 tok/s and 25.5 s.
+    While probes find that drafting still does not pay, the wait before the next doubles (to
+    PROBE_EVERY_MAX): at every 64 steps the catch-ups cost 1.2-1.6% of the throughput where
+    drafting never pays (the same scenario, a draft on one GPU, 6-64 users).
+    """
+
+    def __init__(self, every: int = PROBE_EVERY, every_max: int = PROBE_EVERY_MAX):
+        self.every, self.every_max = every, every_max
+        self.wait = every      # steps without drafting before the next probe
+        self.idle = 0          # steps since anyone drafted, or since the last probe
+        self.follow = False    # the last step was a probe's first: measure on the next
+
+    def __call__(self, ks: list[int], k_max: Sequence[int],
+                 catch_up_tokens: Sequence[int] | None = None) -> list[int]:
+        """`ks` as chosen, or with one sequence drafting one token to probe."""
+        if any(ks):
+            self.idle, self.follow, self.wait = 0, False, self.every
+            return ks
+        self.idle += 1
+        behind = catch_up_tokens or [0] * len(ks)
+        speculative = [i for i, k in enumerate(k_max) if k > 0]
+        if self.follow:
+            self.follow = False
+            on_time = [i for i in speculative if behind[i] <= CATCH_UP_MAX]
+            if on_time:
+                ks[on_time[0]] = 1
+                return ks
+        if speculative and self.idle >= self.wait:
+            self.idle, self.follow = 0, True
+            self.wait = min(2 * self.wait, self.every_max)
+            ks[min(speculative, key=lambda i: behind[i])] = 1
+        return ks
+
+
 class _Memo:
     """A step cost model's answers, remembered for the length of one `choose_k` call."""
 

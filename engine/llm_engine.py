@@ -17,7 +17,8 @@ import torch
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
-from engine.cost_model import CATCH_UP_MAX, CalibratedCost, catch_up_prices, engine_choose_k
+from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, catch_up_prices,
+                               engine_choose_k)
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError
 from engine.faults import Faults, FaultyRunner
@@ -36,7 +37,6 @@ from models.loader import check_compatible, load_model
 logger = logging.getLogger(__name__)
 
 DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
-PROBE_EVERY = 64       # steps without drafting before one probe step at k = 1
 KV_PEAK_WINDOW_S = 2.0  # EngineStats' KV peaks: the most in use at any step of this many seconds
 
 
@@ -85,7 +85,7 @@ class LLMEngine:
         self.metrics = Metrics()
         # Engine-wide per-token acceptance a (engine/acceptance.py: decayed pooled counts).
         self.acceptance = AcceptanceEstimate(config.prior_acceptance, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
-        self._steps_without_draft = 0
+        self._probe = DraftProbe()    # drafts now and then when no one has for a while
         self._kv_marks: deque[tuple[float, int, int]] = deque()   # (time, target, draft blocks)
         self.seqs: dict[str, Sequence] = {}
         self.draft_swaps = 0
@@ -117,18 +117,7 @@ class LLMEngine:
         catch_up = (catch_up_prices(self.cost, acceptance, catch_up_tokens, tokens_left,
                                     context_tokens) if catch_up_tokens else None)
         ks = engine_choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens, catch_up)
-        if any(ks):
-            self._steps_without_draft = 0
-            return ks
-        # Exploration: when no one has drafted for a while the estimate is stale (it only moves
-        # with drafting), so one sequence drafts one token to measure acceptance again (one, as
-        # its draft may first have to catch up on its whole context).
-        self._steps_without_draft += 1
-        probe = next((i for i, k in enumerate(k_max) if k > 0), None)
-        if probe is not None and self._steps_without_draft >= PROBE_EVERY:
-            self._steps_without_draft = 0
-            ks[probe] = 1
-        return ks
+        return self._probe(ks, k_max, catch_up_tokens)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,

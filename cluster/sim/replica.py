@@ -29,8 +29,8 @@ from cluster.sim.scenarios import Deployment, RequestSpec
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
-from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, StepCostModel, catch_up_prices,
-                               engine_choose_k)
+from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, StepCostModel,
+                               catch_up_prices, engine_choose_k)
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from engine.outputs import EngineStats
 
@@ -160,6 +160,7 @@ class Replica:
         self.preemptions = self.downgrades = 0
         self._k_cache: dict = {}
         self.belief = CalibratedCost(cfg.believed or cfg.cost, learn_draft_scale=True)
+        self.probe = DraftProbe()    # the engine's: drafts now and then when no one has
         self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self.drafted = self.accepted = 0  # draft tokens since start (the dashboard's rate)
 
@@ -301,7 +302,7 @@ class Replica:
             by_group = dict(zip(groups, engine_choose_k(accs, caps, belief, ctx_b, extra_b,
                                                         prices if any(prices) else None)))
             self._k_cache[key] = by_group
-        return [by_group[g] for g in groups]
+        return self.probe([by_group[g] for g in groups], caps, [s.lag for s in decode])
 
     def apply_step(self, now: float, seconds: float, decode: list[tuple[Seq, int]],
                    chunks: list[tuple[Seq, int]]) -> tuple[list[Seq], int]:

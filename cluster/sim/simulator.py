@@ -44,6 +44,7 @@ class RunResult:
     preemptions: int = 0
     downgrades: int = 0
     calibrated_per_seq_s: float = 0.0  # what the serving engine learnt beyond its base model
+    calibrated_spec_scale: float = 1.0  # ... and its draft's price over the base's
 
     def row(self) -> dict:
         done = [s for s in self.seqs if s.finish_s is not None]
@@ -70,6 +71,7 @@ class RunResult:
             "usd_per_m_tokens": usd_s / throughput * 1e6 if throughput else float("inf"),
             "gpus": self.gpus, "preemptions": self.preemptions, "spec_downgrades": self.downgrades,
             "calibrated_per_seq_ms": self.calibrated_per_seq_s * 1e3,
+            "calibrated_spec_scale": self.calibrated_spec_scale,
             "decode_tok_s_per_seq": (sum(s.spec.output_tokens - 1 for s in done) / decode_s
                                      if decode_s else 0.0),
             "p50_queue_s": _pct(queue, 50), "p95_queue_s": _pct(queue, 95),
@@ -113,6 +115,7 @@ def simulate(target: ReplicaConfig, small: ReplicaConfig | None, policy: str, wo
     result.preemptions = sum(r.preemptions for r in serving)
     result.downgrades = sum(r.downgrades for r in serving)
     result.calibrated_per_seq_s = serving[0].belief.per_seq_s
+    result.calibrated_spec_scale = serving[0].belief.spec_scale
     return result
 
 

@@ -541,3 +541,61 @@ def test_largest_ks_is_the_largest_k_whose_marginal_gain_clears_the_threshold():
             want = [max([k for k in range(1, cap + 1) if a > 0 and a ** k >= threshold - 1e-12],
                         default=0) for a in accs]
             assert _largest_ks(accs, logs, [cap] * len(accs), threshold) == want, (threshold, cap)
+
+
+def test_the_probe_drafts_one_token_after_probe_every_idle_steps_and_again_once_on_time():
+    """`DraftProbe`: after PROBE_EVERY steps without drafting, the speculative sequence whose draft
+    is least behind drafts one token; the next step one whose draft is on time (catch-up <=
+    CATCH_UP_MAX) drafts one token again, the step the engine calibrates on. While probes do not
+    restart drafting the wait doubles, up to PROBE_EVERY_MAX; drafting by choice resets it."""
+    from engine.cost_model import CATCH_UP_MAX, PROBE_EVERY, PROBE_EVERY_MAX, DraftProbe
+
+    def idle_until_probe(probe, caps, behind):
+        steps = 0
+        while True:
+            steps += 1
+            ks = probe([0] * len(caps), caps, behind)
+            if any(ks):
+                return steps, ks
+
+    probe = DraftProbe()
+    caps, behind = [0, 4, 4, 4], [0, 70, 30, 50]
+    assert idle_until_probe(probe, caps, behind) == (PROBE_EVERY, [0, 0, 1, 0])   # least behind
+    assert probe([0] * 4, caps, [0, 9, CATCH_UP_MAX, 9]) == [0, 0, 1, 0]            # measured
+    assert probe([0] * 4, caps, [0, 1, 1, 1]) == [0] * 4                            # once
+    waits = [idle_until_probe(probe, caps, behind)[0] for _ in range(6)]
+    waits[0] += 2                                   # the two steps above count
+    assert waits == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY] + [PROBE_EVERY_MAX] * 3
+    assert PROBE_EVERY_MAX == 16 * PROBE_EVERY
+    assert probe([0, 2, 2, 2], caps, behind) == [0, 2, 2, 2]                        # by choice
+    assert idle_until_probe(probe, caps, None) == (PROBE_EVERY, [0, 1, 0, 0])
+    assert probe([0] * 4, caps, [0, CATCH_UP_MAX + 1, 0, 0]) == [0, 0, 1, 0]         # on time
+    nobody = DraftProbe()
+    assert all(nobody([0, 0], [0, 0], None) == [0, 0] for _ in range(3 * PROBE_EVERY))
+
+
+def test_an_engine_that_stopped_drafting_probes_and_learns_the_drafts_price(make_engine):
+    """The engine's price for the draft moves only with drafting steps, and an over-priced draft
+    stops drafting: without a probe the engine would never learn the price back. Its probe's
+    second step is a calibrated decode step, so a draft priced at 1 s a round (it takes well
+    under a millisecond) is learnt as cheap as CAL_SCALE_RANGE allows."""
+    from engine.cost_model import CAL_SCALE_RANGE, CalibratedCost, LinearCost, LinearStepCost, PROBE_EVERY
+    from engine.sampling_params import RequestOptions, SamplingParams
+
+    engine = make_engine(adaptive_k=True)
+    engine.cost = CalibratedCost(LinearStepCost(LinearCost(1e-3, 0.0, 0.0), LinearCost(1.0, 0.0, 0.0)),
+                                 draft_excess=True)
+    drafted = []
+    calibrate = engine.cost.calibrate
+
+    def record(ks, ctx, secs, **kw):
+        drafted.append(any(ks))
+        calibrate(ks, ctx, secs, **kw)
+
+    engine.cost.calibrate = record
+    params = SamplingParams(temperature=0, max_tokens=PROBE_EVERY + 8, ignore_eos=True)
+    engine.add_request("r", list(range(5, 25)), params, RequestOptions("speculative", k_max=3))
+    while engine.has_unfinished():
+        engine.step()
+    assert drafted.count(True) == 1 and len(drafted) > PROBE_EVERY
+    assert engine.cost.spec_scale == pytest.approx(CAL_SCALE_RANGE[0])
