@@ -10,14 +10,19 @@ Rules, first match wins (reasons are machine-readable and returned to the caller
   speculation=off        -> baseline   speculation_off   (always honoured)
   premium / speculation=on -> speculative plan_premium | speculation_on, unless the target
                            has no draft (no_draft) or too little KV headroom (kv_headroom)
-  queue deep (hysteresis)-> small if the caller allows a downgrade, else baseline   queue_deep
+  queue deep (hysteresis)-> small, if the caller allows a downgrade and the small tier's
+                           queue is shorter                                   queue_deep
   plan standard          -> baseline   plan_standard
   plan auto              -> baseline   no_draft | kv_headroom | acceptance_low, else
                            speculative speculation_pays: the request's class pays alone on the
                            replica's profile (`speculation_gain` of it alone >= min_gain), and
                            the engine's adaptive k then decides each step, at every batch,
                            whether and how far to draft (k = 0 is plain decoding).
-No load gate for auto beyond the queue and memory. A rule that sent auto to baseline when the
+No load gate for auto beyond memory. A deep queue sent auto to baseline too, until session 31
+(notes/issue8.md): past saturation on reference-py through HTTP that delivered 0.84x of always
+speculating (Poisson 24: 1,135 against 1,351 tok/s), and 1.01x and 1.00x in two earlier
+windows; always speculating was never below baseline there (0.99-1.21x). A queue says the
+batch is full, and at a full batch the engine's k already drafts only where that pays. A rule that sent auto to baseline when the
 predicted gain of the whole batch fell (`batch_large`, with hysteresis) never paid against
 always speculating with the engine's adaptive k: in the simulator (seed-4xa100, session 23)
 always-adaptive was at or above baseline at every load and the gate cost 6% at 40 users. The
@@ -123,11 +128,9 @@ def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
     else:
         deep = target.queue_depth >= config.queue_deep_enter
     state = replace(state, queue_deep=deep)
-    if deep:
-        small = stats.small
-        to_small = (request.allow_downgrade and small is not None
-                    and small.queue_depth < target.queue_depth)
-        return Decision("small" if to_small else "baseline", 0, "queue_deep", state)
+    if deep and request.allow_downgrade and stats.small is not None \
+            and stats.small.queue_depth < target.queue_depth:
+        return Decision("small", 0, "queue_deep", state)
     if request.plan == "standard":
         return Decision("baseline", 0, "plan_standard", state)
 

@@ -47,10 +47,12 @@ TABLE = [
     (req(), cluster(cost=None), STATE, "baseline", "no_draft"),
     (req(), cluster(draft_kv_bytes_per_token=0.0), STATE, "baseline", "no_draft"),
     (req(), cluster(kv_headroom_bytes=4 * GiB), STATE, "baseline", "kv_headroom"),
-    (req(), cluster(queue_depth=20), STATE, "baseline", "queue_deep"),
+    # a deep queue diverts only callers who allow the small tier; auto stays on its own rule
+    (req(), cluster(queue_depth=20), STATE, "speculative", "speculation_pays"),
+    (req(plan="standard"), cluster(queue_depth=20), STATE, "baseline", "plan_standard"),
     (req(allow_downgrade=True), cluster(queue_depth=20), STATE, "small", "queue_deep"),
     (req(allow_downgrade=True), cluster(small_queue=None, queue_depth=20), STATE,
-     "baseline", "queue_deep"),
+     "speculative", "speculation_pays"),
     (req(plan="standard"), cluster(), STATE, "baseline", "plan_standard"),
     (req(prompt_class="creative"), cluster(acceptance_by_class={"creative": 0.03}), STATE,
      "baseline", "acceptance_low"),
@@ -118,9 +120,11 @@ def test_a_draft_price_learnt_under_load_does_not_lock_auto_out():
 def test_queue_deep_hysteresis():
     cfg = PolicyConfig()
     between = cluster(queue_depth=cfg.queue_deep_exit + 1)
-    assert choose_tier(req(), between, PolicyState(queue_deep=True)).reason == "queue_deep"
-    assert choose_tier(req(), between, PolicyState(queue_deep=False)).reason != "queue_deep"
-    assert not choose_tier(req(), cluster(), PolicyState(queue_deep=True)).state.queue_deep
+    down = req(allow_downgrade=True)
+    assert choose_tier(down, between, PolicyState(queue_deep=True)).reason == "queue_deep"
+    assert choose_tier(down, between, PolicyState(queue_deep=False)).reason != "queue_deep"
+    assert not choose_tier(down, cluster(), PolicyState(queue_deep=True)).state.queue_deep
+    assert choose_tier(req(), between, PolicyState(queue_deep=True)).state.queue_deep
 
 
 ALL_STATS = [row[1] for row in TABLE]
