@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -65,17 +65,55 @@ class _Overhead:
         return self.base.draft_s(num_seqs, num_tokens, context_tokens)
 
 
+class _ByBatch:
+    """A value the served engine learnt at several batch sizes ({batch: value}), read at any
+    batch: linear between the batches seen, the nearest one's outside them."""
+
+    def __init__(self, points):
+        self.points = sorted((int(n), float(v)) for n, v in points.items())
+
+    def __call__(self, n: float) -> float:
+        pts = self.points
+        if n <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        for (n0, v0), (n1, v1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
+        return pts[-1][1]
+
+
+@dataclass
+class _Learnt:
+    """The served engine's step times: its profile, plus the per-sequence overhead and the
+    draft's price factor it learnt while serving, each as learnt at the step's batch size."""
+
+    base: object
+    per_seq_ms: _ByBatch
+    spec_scale: _ByBatch
+
+    def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return (self.base.target_s(num_seqs, num_tokens, context_tokens)
+                + self.per_seq_ms(num_seqs) / 1e3 * num_seqs)
+
+    def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
+        return self.spec_scale(num_seqs) * self.base.draft_s(num_seqs, num_tokens, context_tokens)
+
+
 def serving_cost(base, overhead_s: float = 0.0, learnt: dict | None = None):
     """The step times of the served engine: the profile it runs on (`base`, the engine's
     `cost.base`, read from the same cache file the serving replica profiled into), plus what the
     replica learnt while serving (`learnt`: per_seq_ms and spec_scale as `/health` reported
-    them; absent: nothing) and a fixed overhead per target step."""
+    them, each one number or {batch size: value}; absent: nothing) and a fixed overhead per
+    target step."""
     from engine.cost_model import CalibratedCost
 
     learnt = learnt or {}
-    return CalibratedCost(_Overhead(base, overhead_s) if overhead_s else base,
-                          per_seq_s=learnt.get("per_seq_ms", 0.0) / 1e3,
-                          spec_scale=learnt.get("spec_scale", 1.0))
+    base = _Overhead(base, overhead_s) if overhead_s else base
+    per_seq, scale = learnt.get("per_seq_ms", 0.0), learnt.get("spec_scale", 1.0)
+    if isinstance(per_seq, dict) or isinstance(scale, dict):
+        as_points = lambda v: v if isinstance(v, dict) else {1: v}   # noqa: E731
+        return _Learnt(base, _ByBatch(as_points(per_seq)), _ByBatch(as_points(scale)))
+    return CalibratedCost(base, per_seq_s=per_seq / 1e3, spec_scale=scale)
 
 
 def _replica(engine, overhead_s: float, learnt: dict | None):
@@ -86,6 +124,7 @@ def _replica(engine, overhead_s: float, learnt: dict | None):
                          [stats.target_kv_bytes_per_token], [stats.draft_kv_bytes_per_token],
                          max_num_seqs=engine.config.max_num_seqs,
                          max_batched_tokens=engine.config.max_num_batched_tokens,
+                         max_waiting=engine.config.max_waiting,   # then 429
                          engine_downgrade=True,  # the engine's scheduler
                          believed=engine.cost.base)  # what it starts from, and then learns
 
@@ -114,16 +153,32 @@ def _median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
-def bench_learnt(bench: dict) -> dict:
+def bench_learnt(bench: dict, policy: str | None = None) -> dict:
     """What the target replica learnt while serving, as `/health` reported it at the end of
-    each window: the per-sequence overhead (median over every run) and the draft's price factor
-    (median over the runs in which every request drafted)."""
+    each window. No policy: the per-sequence overhead (median over every run) and the draft's
+    price factor (median over the runs in which every request drafted). A policy: both from
+    that policy's runs, as {batch size: median}, the batch the window's peak of running
+    sequences (the price factor from runs that drafted at all). Both grow or shrink with the
+    batch (reference-py, one thread: the price factor 1.1-1.3 at 1-4 sequences, 2.0-2.5 at
+    16-32), and a drafting step's own overhead lands in the per-sequence price (0.3-0.8 ms a
+    sequence at 1-4 drafting, 0.02-0.07 plain; notes/issue8.md, session 31)."""
     runs = bench.get("runs", [])
     target = lambda r: r.get("health_peaks", {}).get("target", {})   # noqa: E731
-    out = {"per_seq_ms": _median(target(r).get("cost_per_seq_ms") for r in runs),
-           "spec_scale": _median(target(r).get("cost_spec_scale") for r in runs
-                                 if r["policy"] in SPECULATING)}
-    return {k: v for k, v in out.items() if v is not None}
+    if policy is None:
+        out = {"per_seq_ms": _median(target(r).get("cost_per_seq_ms") for r in runs),
+               "spec_scale": _median(target(r).get("cost_spec_scale") for r in runs
+                                     if r["policy"] in SPECULATING)}
+        return {k: v for k, v in out.items() if v is not None}
+    out: dict[str, dict] = {"per_seq_ms": {}, "spec_scale": {}}
+    for r in runs:
+        t = target(r)
+        if r["policy"] != policy or not t.get("peak_running"):
+            continue
+        drafted = bool(t.get("peak_kv_used_draft_bytes"))
+        for key, name in (("per_seq_ms", "cost_per_seq_ms"), ("spec_scale", "cost_spec_scale")):
+            if t.get(name) is not None and (drafted or key == "per_seq_ms"):
+                out[key].setdefault(int(t["peak_running"]), []).append(t[name])
+    return {k: {n: statistics.median(vs) for n, vs in sorted(v.items())} for k, v in out.items() if v}
 
 
 def bench_acceptance(bench: dict) -> float | None:
@@ -158,13 +213,16 @@ def run_local(args) -> int:
         return 2
     output_tokens = int(pick(args.output_tokens, "output_tokens", 64))
     spread = max(1, round(output_tokens * float(given.get("output_spread", 0.5))))
-    learnt = {} if args.profile_only else bench_learnt(bench)
-    target, small, lengths = build(family, config, args.overhead_ms / 1000, learnt)
+    # each policy's step times as the engine learnt them in that policy's windows, batch by
+    # batch (else the medians over the run)
+    pooled = {} if args.profile_only else bench_learnt(bench)
+    learnt = {p: pooled if args.profile_only else bench_learnt(bench, p) or pooled for p in policies}
+    target, small, lengths = build(family, config, args.overhead_ms / 1000, pooled)
     measured = {(r["policy"], r["load_kind"], r["load"]): r for r in bench.get("results", [])}
     a = args.acceptance or bench_acceptance(bench) or 0.7
     mix = AcceptanceMix("local", {"code": 1, "prose": 1, "chat": 1}, {"code": a, "prose": a, "chat": a})
     print(f"local-cpu: acceptance a = {a:.3f}, prompts median {statistics.median(lengths)} tokens, "
-          f"learnt while serving: {learnt or 'nothing'}", file=sys.stderr)
+          f"learnt while serving: {learnt if any(learnt.values()) else 'nothing'}", file=sys.stderr)
     rows = []
     for kind, load in loads:
         for policy in policies:
@@ -175,7 +233,9 @@ def run_local(args) -> int:
                          max_tokens=output_tokens + spread,
                          requests=max(60, 8 * int(load)) if closed else max(60, int(40 * load)),
                          plan=plan, queue_timeout_s=600)
-            r = simulate(target, small, sim_policy, w, mix, load, args.seed, max_context=512).row()
+            truth = replace(target, cost=serving_cost(target.believed, args.overhead_ms / 1000,
+                                                      learnt[policy]))
+            r = simulate(truth, small, sim_policy, w, mix, load, args.seed, max_context=512).row()
             m = measured.get((policy, kind, load))
             rows.append({"policy": policy, "load_kind": kind, "load": load,
                          "predicted_tok_s": r["throughput_tok_s"], "predicted_p95_s": r["p95_latency_s"],

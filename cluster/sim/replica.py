@@ -6,7 +6,8 @@ holds KV blocks for the tokens it has computed plus what the next step writes (i
 sequence; when a step's blocks do not fit, speculating sequences drop to baseline first
 (draft KV freed; newest first) and then the newest sequences are preempted (all KV freed,
 prefilled again later with the tokens they had). A request whose prompt + max_tokens cannot
-fit the empty replica is refused.
+fit the empty replica is refused, and so is one that arrives while `max_waiting` requests wait
+(the engine's queue bound: `LLMEngine.add_request` refuses with 429 beyond it).
 A step is up to k draft rounds then one target verify. Two cost models: `ReplicaConfig.cost`
 is the truth and times every step; the engine's belief (`believed`, default the truth) is a
 `CalibratedCost` that picks k by the engine's own rule (`engine.cost_model.engine_choose_k`, with
@@ -54,6 +55,7 @@ class ReplicaConfig:
     #   when headroom is low (the engine's scheduler); False: the naive fixed-k engine
     believed: StepCostModel | None = None  # the engine's base cost model (None: the truth)
     gpus: int = 0  # GPUs this replica occupies (for cost per token; 0: len(gpu_bytes))
+    max_waiting: int | None = None  # the engine's queue bound (None: unbounded)
 
 
 def _cost(dep: Deployment, model: str, tp: int, draft_tp: int):
@@ -159,7 +161,8 @@ class Replica:
         self.blocked = 0  # requests the last admission pass could not admit
         self.preemptions = self.downgrades = 0
         self._k_cache: dict = {}
-        self.belief = CalibratedCost(cfg.believed or cfg.cost, learn_draft_scale=True)
+        self.belief = CalibratedCost(cfg.believed or cfg.cost, draft_excess=True)   # the engine's
+        self.split = (0.0, 0.0)   # the planned step's draft rounds and verify forward, seconds
         self.probe = DraftProbe()    # the engine's: drafts now and then when no one has
         self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self.drafted = self.accepted = 0  # draft tokens since start (the dashboard's rate)
@@ -168,6 +171,10 @@ class Replica:
     def _bytes(self, tokens: int, speculative: bool) -> list[float]:
         c = self.cfg
         return [tokens * (t + (d if speculative else 0.0)) for t, d in zip(c.target_kv, c.draft_kv)]
+
+    def full(self) -> bool:
+        """The engine's waiting queue is at its bound: an arrival is refused (429)."""
+        return self.cfg.max_waiting is not None and len(self.waiting) >= self.cfg.max_waiting
 
     def fits(self, seq: Seq, speculative: bool, empty: bool = False) -> bool:
         """Whether prompt + max_tokens fits (on the empty replica: whether it ever can)."""
@@ -265,17 +272,21 @@ class Replica:
         return decode, ks, chunks
 
     def _seconds(self, decode, ks, chunks) -> float:
+        """The step's true time; its draft rounds' and verify forward's parts, which the engine
+        times apart for its calibration, are kept in `self.split`."""
         ctx = sum(s.context for s in self.running)
         extra = sum(c for _, c in chunks)
         cost = self.cfg.cost
-        seconds = cost.target_s(len(decode) + len(chunks), len(decode) + sum(ks) + extra, ctx)
+        verify = cost.target_s(len(decode) + len(chunks), len(decode) + sum(ks) + extra, ctx)
         # A draft reads what it has not read (the prompt included) in its first round.
         catch_up = sum(s.lag for s, k in zip(decode, ks) if k)
+        drafting = 0.0
         for j in range(1, max(ks, default=0) + 1):
             n_j = sum(1 for k in ks if k >= j)
             tokens = n_j + (catch_up if j == 1 else 0)
-            seconds += cost.draft_s(n_j, tokens, ctx * n_j // max(len(self.running), 1))
-        return seconds
+            drafting += cost.draft_s(n_j, tokens, ctx * n_j // max(len(self.running), 1))
+        self.split = (drafting, verify)
+        return verify + drafting
 
     def _choose_ks(self, decode: list[Seq], ctx: int, extra: int) -> list[int]:
         caps = [min(s.k_cap, s.spec.max_tokens - s.emitted - 1) if s.speculative else 0 for s in decode]
@@ -311,7 +322,10 @@ class Replica:
         # The engine calibrates its belief on decode steps, not those where a draft reads a prompt.
         reading = max((s.lag for s, k in decode if k), default=0)
         if decode and not chunks and reading <= CATCH_UP_MAX:
-            self.belief.calibrate([k for _, k in decode], sum(s.context for s, _ in decode), seconds)
+            drafting, verify = self.split
+            self.belief.calibrate([k for _, k in decode], sum(s.context for s, _ in decode), seconds,
+                                  could_draft=any(s.speculative for s, _ in decode),
+                                  draft_seconds=drafting, verify_seconds=verify)
         emitted = 0
         for s, k in decode:
             acc = 0

@@ -226,8 +226,8 @@ class _Run:
                 self.seqs.append(seq)
                 self.unfinished += 1
                 self.reasons[seq.reason] += 1
-            if not replica.fits(seq, seq.speculative, empty=True):
-                self.done(seq, now)  # can never fit: refused
+            if replica.full() or not replica.fits(seq, seq.speculative, empty=True):
+                self.done(seq, now)  # refused: the queue is full, or it can never fit
             else:
                 replica.waiting.append(seq)
                 if not replica.busy:

@@ -81,7 +81,8 @@ def test_the_simulated_engine_calibrates_its_belief_as_the_engine_does():
     true = LinearStepCost(LinearCost(20e-3, 1e-3, 0.0), LinearCost(3e-3, 0.0, 0.0))  # +1 ms a sequence
     row = simulate(replica(true, draft=False, believed=LINEAR), None, "baseline", LONG, fixed_mix(0.5), 4,
                    seed=0).row()
-    assert row["calibrated_per_seq_ms"] == pytest.approx(1.0, rel=0.01)
+    # the engine's calibration (`draft_excess`), with its prior of 0 (PER_SEQ_PRIOR) still felt
+    assert row["calibrated_per_seq_ms"] == pytest.approx(1.0, rel=0.05)
     over = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))
     believed_dear = LinearStepCost(LinearCost(30e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))
     row = simulate(replica(over, draft=False, believed=believed_dear), None, "baseline", LONG,
@@ -245,3 +246,51 @@ def test_a_simulated_draft_reads_its_prompt_in_its_first_drafting_step():
     seconds, decode, _ = r.plan_step()
     ((s, k),) = decode
     assert seconds == pytest.approx(20e-3 + 3e-3 * k + 0.1e-3 * k)
+
+
+def test_past_saturation_the_engines_queue_bound_refuses_and_caps_the_wait():
+    """The engine refuses (429) a request that arrives while `max_waiting` wait (bench serve saw
+    429s past saturation, and a p95 the bounded queue sets); unbounded, the queue and the
+    latency grow for as long as the overload lasts."""
+    w = Workload(closed_loop=False, prompt_median=16, prompt_sigma=0.0, output_median=50,
+                 output_sigma=0.0, max_tokens=64, requests=40, queue_timeout_s=600)
+    mix = fixed_mix(0.5)
+    rows = {bound: simulate(replica(LINEAR, draft=False, max_num_seqs=2, max_waiting=bound), None,
+                            "baseline", w, mix, 6.0, seed=0).row() for bound in (None, 4)}
+    assert rows[None]["refused"] == 0 and rows[None]["p95_latency_s"] > 8.0
+    assert rows[4]["refused"] > 10 and rows[4]["p95_latency_s"] < 4.0
+    # below saturation the bound never binds
+    light = simulate(replica(LINEAR, draft=False, max_num_seqs=2, max_waiting=4), None, "baseline",
+                     w, mix, 0.5, seed=0).row()
+    assert light["refused"] == 0
+
+
+def test_the_simulated_engine_prices_the_draft_from_its_timed_rounds_as_the_engine_does(monkeypatch):
+    """The engine times a step's draft rounds and verify forward apart (`CalibratedCost`,
+    draft_excess), and the simulator's engines calibrate on the same split of the true step
+    time: a draft dearer than believed is learnt as the draft's price. (A joint fit on the
+    step's total, the simulator's before, confused the two where the truth's draft price moves
+    with the batch: on local-cpu at 32 users it learnt a 1.06x draft and 0.68 ms a sequence
+    where the truth was 2.2x and 0.12 ms, drafted k = 5-8, and put the p95 at 1.38x the
+    measured.)"""
+    from engine.cost_model import CalibratedCost
+
+    seen = []
+    calibrate = CalibratedCost.calibrate
+
+    def record(self, ks, ctx, seconds, **kw):
+        assert self.draft_excess
+        seen.append((max(ks), seconds, kw))
+        calibrate(self, ks, ctx, seconds, **kw)
+
+    monkeypatch.setattr(CalibratedCost, "calibrate", record)
+    dear = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(6e-3, 0.0, 0.0))   # 2x LINEAR's draft
+    row = simulate(replica(dear, believed=LINEAR), None, "always-adaptive", LONG, fixed_mix(0.9), 8,
+                   seed=0).row()
+    drafting = [(k, secs, kw) for k, secs, kw in seen if k]
+    assert len(drafting) > 100 and all(kw["could_draft"] for _, _, kw in seen)
+    for k, secs, kw in drafting:      # the true parts: k rounds of 6 ms, one 20 ms verify
+        assert kw["draft_seconds"] == pytest.approx(k * 6e-3) and kw["verify_seconds"] == pytest.approx(20e-3)
+        assert secs == pytest.approx(kw["draft_seconds"] + kw["verify_seconds"])
+    assert row["calibrated_spec_scale"] == pytest.approx(2.0, rel=0.02)
+    assert row["calibrated_per_seq_ms"] == pytest.approx(0.0, abs=0.01)

@@ -10,8 +10,9 @@ from cluster.sim.local import add_arguments, bench_acceptance, bench_learnt, run
 from engine.cost_model import LinearCost, LinearStepCost
 
 
-def _run(policy, acceptance=None, per_seq_ms=None, spec_scale=None):
-    target = {"mean_token_acceptance": acceptance, "cost_per_seq_ms": per_seq_ms, "cost_spec_scale": spec_scale}
+def _run(policy, acceptance=None, per_seq_ms=None, spec_scale=None, running=None, draft_bytes=None):
+    target = {"mean_token_acceptance": acceptance, "cost_per_seq_ms": per_seq_ms, "cost_spec_scale": spec_scale,
+              "peak_running": running, "peak_kv_used_draft_bytes": draft_bytes}
     return {"policy": policy, "health_peaks": {"target": {k: v for k, v in target.items() if v is not None}}}
 
 
@@ -25,6 +26,31 @@ def test_what_the_replica_learnt_is_read_from_the_runs_that_show_it():
     assert bench_acceptance(bench) == pytest.approx(0.65)
     assert bench_learnt({"runs": [_run("standard")]}) == {}
     assert bench_acceptance({}) is None
+
+
+def test_a_policys_own_windows_give_what_was_learnt_batch_by_batch():
+    """Per policy: the per-sequence price and the draft's price factor at each window's peak
+    batch (medians where two windows share one), the factor only from windows that drafted."""
+    bench = {"runs": [_run("always-adaptive", per_seq_ms=0.5, spec_scale=1.2, running=1, draft_bytes=10),
+                      _run("always-adaptive", per_seq_ms=0.1, spec_scale=2.0, running=32, draft_bytes=10),
+                      _run("always-adaptive", per_seq_ms=0.3, spec_scale=2.4, running=32, draft_bytes=10),
+                      _run("always-adaptive", per_seq_ms=0.2, spec_scale=9.0, running=16, draft_bytes=0),
+                      _run("standard", per_seq_ms=0.04, spec_scale=1.6, running=32)]}
+    assert bench_learnt(bench, "always-adaptive") == {
+        "per_seq_ms": {1: 0.5, 16: 0.2, 32: pytest.approx(0.2)}, "spec_scale": {1: 1.2, 32: pytest.approx(2.2)}}
+    assert bench_learnt(bench, "standard") == {"per_seq_ms": {32: 0.04}}
+    assert bench_learnt(bench, "auto") == {}
+
+
+def test_serving_cost_reads_what_was_learnt_at_the_steps_batch():
+    base = LinearStepCost(LinearCost(0.010, 0.001, 0.0001), LinearCost(0.002, 0.0005, 0.0))
+    cost = serving_cost(base, learnt={"per_seq_ms": {1: 0.5, 16: 0.2}, "spec_scale": {1: 1.2, 32: 2.4}})
+    for n, per_seq_ms, scale in ((1, 0.5, 1.2), (16, 0.2, 1.2 + 1.2 * 15 / 31), (32, 0.2, 2.4), (64, 0.2, 2.4)):
+        assert cost.target_s(n, n) == pytest.approx(base.target_s(n, n) + n * per_seq_ms / 1e3)
+        assert cost.draft_s(n, n) == pytest.approx(scale * base.draft_s(n, n))
+    mixed = serving_cost(base, learnt={"per_seq_ms": {8: 0.3}, "spec_scale": 1.5})
+    assert mixed.draft_s(4, 4) == pytest.approx(1.5 * base.draft_s(4, 4))
+    assert mixed.target_s(2, 2) == pytest.approx(base.target_s(2, 2) + 2 * 0.3e-3)
 
 
 def test_serving_cost_adds_what_was_learnt_to_the_profile():
@@ -52,7 +78,7 @@ def test_local_cpu_mirrors_a_bench_run_users_and_poisson_rates(tiny_family, tmp_
     bench = {"args": {"start_local": str(family), "config": str(config), "users": "2", "rates": "0.5",
                       "policies": "standard,always-adaptive", "output_tokens": 16, "output_spread": 0.5},
              "results": [measured("standard", "users", 2), measured("always-adaptive", "rate", 0.5)],
-             "runs": [_run("always-adaptive", 0.5, per_seq_ms=0.1, spec_scale=1.2)]}
+             "runs": [_run("always-adaptive", 0.5, per_seq_ms=0.1, spec_scale=1.2, running=2, draft_bytes=1)]}
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
     parser = argparse.ArgumentParser()
@@ -62,7 +88,9 @@ def test_local_cpu_mirrors_a_bench_run_users_and_poisson_rates(tiny_family, tmp_
     args = parser.parse_args(["--bench", str(path), "--json", "out.json"])
     assert run_local(args) == 0
     out = json.loads((tmp_path / "out.json").read_text())
-    assert out["learnt"] == {"per_seq_ms": 0.1, "spec_scale": 1.2} and out["acceptance"] == 0.5
+    assert out["learnt"] == {"always-adaptive": {"per_seq_ms": {"2": 0.1}, "spec_scale": {"2": 1.2}},
+                             "standard": {"per_seq_ms": 0.1, "spec_scale": 1.2}}   # its own, or the pooled
+    assert out["acceptance"] == 0.5
     rows = {(r["policy"], r["load_kind"], r["load"]): r for r in out["rows"]}
     assert set(rows) == {(p, k, v) for p in ("standard", "always-adaptive") for k, v in (("users", 2), ("rate", 0.5))}
     assert rows[("standard", "users", 2)]["measured_tok_s"] == 100.0
