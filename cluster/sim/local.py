@@ -49,6 +49,7 @@ POLICY_OF = {"standard": ("auto", "standard"), "premium": ("auto", "premium"),
              "economy": ("auto", "economy"), "auto": ("auto", "auto"),
              "always-adaptive": ("always-adaptive", "auto")}
 SPECULATING = ("premium", "always-adaptive")     # bench policies whose every request drafts
+DRAFTING = ("auto", *SPECULATING)                 # ... and those whose requests may draft
 
 
 @dataclass
@@ -158,7 +159,9 @@ def bench_learnt(bench: dict, policy: str | None = None) -> dict:
     each window. No policy: the per-sequence overhead (median over every run) and the draft's
     price factor (median over the runs in which every request drafted). A policy: both from
     that policy's runs, as {batch size: median}, the batch the window's peak of running
-    sequences (the price factor from runs that drafted at all). Both grow or shrink with the
+    sequences; for a policy whose requests draft (DRAFTING), from the windows of every such
+    policy in which the draft ran (one window's last reading is noisy: at one user 0.09 and
+    0.53 ms a sequence in two windows of the same engine state). Both grow or shrink with the
     batch (reference-py, one thread: the price factor 1.1-1.3 at 1-4 sequences, 2.0-2.5 at
     16-32), and a drafting step's own overhead lands in the per-sequence price (0.3-0.8 ms a
     sequence at 1-4 drafting, 0.02-0.07 plain; notes/issue8.md, session 31)."""
@@ -170,9 +173,13 @@ def bench_learnt(bench: dict, policy: str | None = None) -> dict:
                                      if r["policy"] in SPECULATING)}
         return {k: v for k, v in out.items() if v is not None}
     out: dict[str, dict] = {"per_seq_ms": {}, "spec_scale": {}}
+    # the policies whose requests draft share one engine state: their windows pool
+    kin = DRAFTING if policy in DRAFTING else (policy,)
     for r in runs:
         t = target(r)
-        if r["policy"] != policy or not t.get("peak_running"):
+        if r["policy"] not in kin or not t.get("peak_running"):
+            continue
+        if policy in DRAFTING and not t.get("peak_kv_used_draft_bytes"):
             continue
         drafted = bool(t.get("peak_kv_used_draft_bytes"))
         for key, name in (("per_seq_ms", "cost_per_seq_ms"), ("spec_scale", "cost_spec_scale")):
