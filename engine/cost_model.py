@@ -158,10 +158,9 @@ def step_cost_from_dict(d: dict):
     return TableStepCost.from_dict(d) if d.get("kind") == "table" else LinearStepCost.from_dict(d)
 
 
-OVERHEAD_EWMA = 0.1       # CalibratedCost.calibrate without learn_draft_scale: weight of one step
+OVERHEAD_EWMA = 0.1       # CalibratedCost.calibrate without draft_excess: weight of one step
 DRAFT_FORGET = 0.9         # ... draft_excess: weight of the past per drafting step
-CAL_FORGET = 0.98          # CalibratedCost.calibrate: weight of the past per decode step
-CAL_PRIOR_VAR = (1.0, 0.25)  # ... and its prior variances: per_seq (ms^2), spec_scale
+CAL_FORGET = 0.98          # ... draft_excess: per_seq_s's weight of the past per decode step
 CAL_SCALE_RANGE = (0.25, 4.0)
 PER_SEQ_PRIOR = 32.0       # ... draft_excess: per_seq_s's prior of 0, weighted as 32 batch-1 steps
 SCALE_RELAX = 0.02         # ... draft_excess: spec_scale's pull back to 1 per step nobody drafts
@@ -199,13 +198,8 @@ class CalibratedCost:
     base: StepCostModel
     per_seq_s: float = 0.0
     spec_scale: float = 1.0
-    # Learn spec_scale jointly with per_seq_s by least squares (the simulator's engines). With
-    # the joint fit in the real engine, adaptive k on reference-py fell from 1.4-1.5x to 0.95x
-    # of plain decoding at batch 1 (notes/issue10.md): at a steady batch the two terms cannot
-    # be told apart, and the fit put the drafting steps' excess on every sequence.
-    learn_draft_scale: bool = False
-    # The real engine: spec_scale = what drafting took (its rounds and its tokens' share of
-    # the verify forward's excess, timed apart by the engine; see `calibrate`) / the base's
+    # The engine (and the simulator's engines): spec_scale = what drafting took (its rounds and
+    # its tokens' share of the verify forward's excess, timed apart by the engine; see `calibrate`) / the base's
     # price for the rounds, a forgetful regression through the origin over drafting steps
     # (DRAFT_FORGET), within CAL_SCALE_RANGE; per_seq_s from what every decode step costs
     # beyond that and the base's prices (a regression of the residual on the batch size,
@@ -216,8 +210,6 @@ class CalibratedCost:
     draft_excess: bool = False
 
     def __post_init__(self) -> None:
-        # recursive least squares over (per_seq ms, spec_scale - 1), in milliseconds
-        self._p = [[CAL_PRIOR_VAR[0], 0.0], [0.0, CAL_PRIOR_VAR[1]]]
         self._sxy = self._sxx = 0.0                # draft_excess: the regressions' sums
         self._scale_n: float | None = None         # ... and the batch spec_scale was learnt at
         self._pxy = self._pxx = 0.0
@@ -233,12 +225,14 @@ class CalibratedCost:
                   verify_seconds: float | None = None) -> None:
         """Learn from one decode step (every sequence fed one token, sequence i drafting ks[i])
         that took `seconds`. Model: seconds = base verify forward + per_seq * n
-        + spec_scale * (the base's draft rounds), fitted by recursive least squares
-        with forgetting (CAL_FORGET per step), so that a varying k separates the two terms; with
-        no drafting only per_seq moves. per_seq stays >= 0 (a base that overprices the target
+        + spec_scale * (the base's draft rounds). Without draft_excess only per_seq moves (an
+        EWMA of the residual a sequence). per_seq stays >= 0 (a base that overprices the target
         stays overpriced), spec_scale within CAL_SCALE_RANGE. could_draft: some sequence of
         the step is speculative (draft_excess: only then does a step without drafting pull
-        spec_scale back, see below).
+        spec_scale back, see below). (A joint least-squares fit of both terms on the step's
+        total, the simulator's engines' until session 31, cannot tell them apart at a steady
+        batch: in the engine adaptive k fell from 1.4-1.5x to 0.95x of plain decoding at batch
+        1, notes/issue10.md; in the simulator it learnt a 1.06x draft where the truth was 2.2x.)
 
         draft_seconds, verify_seconds (draft_excess; the engine times a step's draft rounds and
         its verify forward apart): a drafting step then prices the draft at what its rounds
@@ -310,32 +304,8 @@ class CalibratedCost:
             self.spec_scale += SCALE_RELAX * (1.0 - self.spec_scale)
             self._sxy = self.spec_scale * self._sxx
             return
-        if not self.learn_draft_scale:
-            residual = max(0.0, seconds - step_s(ks, self.base, context_tokens)) / n
-            self.per_seq_s += OVERHEAD_EWMA * (residual - self.per_seq_s)
-            return
-        verify = self.base.target_s(n, n + sum(ks), context_tokens)
-        drafting = step_s(ks, self.base, context_tokens) - verify if any(ks) else 0.0
-        f = (float(n), drafting * 1e3)
-        y = (seconds - verify - drafting) * 1e3
-        theta = [self.per_seq_s * 1e3, self.spec_scale - 1.0]
-        p = self._p
-        pf = [p[0][0] * f[0] + p[0][1] * f[1], p[1][0] * f[0] + p[1][1] * f[1]]
-        gain = [x / (CAL_FORGET + f[0] * pf[0] + f[1] * pf[1]) for x in pf]
-        err = y - (theta[0] * f[0] + theta[1] * f[1])
-        theta = [theta[0] + gain[0] * err, theta[1] + gain[1] * err]
-        p = [[(p[i][j] - gain[i] * pf[j]) / CAL_FORGET for j in range(2)] for i in range(2)]
-        # forgetting grows the variance of a direction no step excites: cap it at the prior,
-        # scaling rows and columns alike so the matrix stays positive definite
-        if (not all(math.isfinite(x) for row in p for x in row) or min(p[0][0], p[1][1]) <= 0
-                or p[0][0] * p[1][1] <= p[0][1] ** 2):   # rounding broke it: start again
-            p = [[CAL_PRIOR_VAR[0], 0.0], [0.0, CAL_PRIOR_VAR[1]]]
-        c = [min(1.0, CAL_PRIOR_VAR[i] / p[i][i]) ** 0.5 for i in range(2)]
-        p = [[p[i][j] * c[i] * c[j] for j in range(2)] for i in range(2)]
-        self._p = p
-        lo, hi = CAL_SCALE_RANGE
-        self.per_seq_s = max(0.0, theta[0]) / 1e3
-        self.spec_scale = min(hi, max(lo, 1.0 + theta[1]))
+        residual = max(0.0, seconds - step_s(ks, self.base, context_tokens)) / n
+        self.per_seq_s += OVERHEAD_EWMA * (residual - self.per_seq_s)
 
     def _learn_per_seq(self, n: int, residual: float) -> None:
         """draft_excess: one step's time beyond the priced forwards, `residual` seconds at n

@@ -179,45 +179,6 @@ def test_prefill_tokens_are_not_charged_to_decoding():
     assert max(plain) > 0 and max(with_prefill) <= max(plain) + 1
 
 
-def test_calibration_learns_the_overhead_and_what_drafting_really_costs():
-    import random
-
-    from engine.cost_model import CalibratedCost, step_s
-
-    base = LinearStepCost(LinearCost(20e-3, 1e-4, 1e-4), LinearCost(4e-3, 5e-5, 2e-5))
-    true = LinearStepCost(LinearCost(20e-3, 6e-4, 1e-4), LinearCost(5.2e-3, 6.5e-5, 2.6e-5))  # +0.5 ms/seq, draft x1.3
-    cost, rng = CalibratedCost(base, learn_draft_scale=True), random.Random(0)
-    for _ in range(2000):  # a long baseline stretch: only the overhead is observable
-        n = rng.randint(1, 32)
-        cost.calibrate([0] * n, 300 * n, step_s([0] * n, true, 300 * n))
-    assert cost.per_seq_s == pytest.approx(5e-4, rel=0.02) and cost.spec_scale == 1.0
-    for _ in range(300):  # then speculation with k varying per step
-        n = rng.randint(1, 32)
-        ks = [rng.randint(0, 6) for _ in range(n)]
-        cost.calibrate(ks, 300 * n, step_s(ks, true, 300 * n))
-    assert cost.per_seq_s == pytest.approx(5e-4, rel=0.05) and cost.spec_scale == pytest.approx(1.3, rel=0.03)
-    assert cost.draft_s(8, 8) == pytest.approx(true.draft_s(8, 8), rel=0.03)
-
-
-def test_calibration_keeps_learning_after_long_stretches_without_drafting():
-    """One sequence, noisy timings, speculation switched off for hundreds of steps at a time:
-    the draft scale must still be learnable whenever drafting resumes."""
-    import random
-
-    from engine.cost_model import CalibratedCost, step_s
-
-    base = LinearStepCost(LinearCost(20e-3, 1e-4, 1e-4), LinearCost(4e-3, 5e-5, 2e-5))
-    true = LinearStepCost(LinearCost(20e-3, 6e-4, 1e-4), LinearCost(5.2e-3, 6.5e-5, 2.6e-5))  # draft x1.3
-    cost, rng = CalibratedCost(base, learn_draft_scale=True), random.Random(0)
-    for _ in range(30):
-        for _ in range(rng.randint(50, 3000)):
-            cost.calibrate([0], 300, step_s([0], true, 300) * rng.uniform(0.95, 1.05))
-        for _ in range(rng.randint(1, 5)):
-            ks = [rng.randint(0, 6)]
-            cost.calibrate(ks, 300, step_s(ks, true, 300) * rng.uniform(0.95, 1.05))
-    assert cost.spec_scale == pytest.approx(1.3, rel=0.1)
-
-
 def test_without_flags_calibration_learns_only_the_overhead():
     """CalibratedCost(base) moves per_seq_s by an EWMA of the residual and never rescales
     drafting."""
