@@ -106,15 +106,11 @@ def serving_cost(base, overhead_s: float = 0.0, learnt: dict | None = None):
     replica learnt while serving (`learnt`: per_seq_ms and spec_scale as `/health` reported
     them, each one number or {batch size: value}; absent: nothing) and a fixed overhead per
     target step."""
-    from engine.cost_model import CalibratedCost
-
     learnt = learnt or {}
-    base = _Overhead(base, overhead_s) if overhead_s else base
-    per_seq, scale = learnt.get("per_seq_ms", 0.0), learnt.get("spec_scale", 1.0)
-    if isinstance(per_seq, dict) or isinstance(scale, dict):
-        as_points = lambda v: v if isinstance(v, dict) else {1: v}   # noqa: E731
-        return _Learnt(base, _ByBatch(as_points(per_seq)), _ByBatch(as_points(scale)))
-    return CalibratedCost(base, per_seq_s=per_seq / 1e3, spec_scale=scale)
+    points = lambda v: v if isinstance(v, dict) else {1: v}   # noqa: E731  (one number: every batch)
+    return _Learnt(_Overhead(base, overhead_s) if overhead_s else base,
+                   _ByBatch(points(learnt.get("per_seq_ms", 0.0))),
+                   _ByBatch(points(learnt.get("spec_scale", 1.0))))
 
 
 def _replica(engine, overhead_s: float, learnt: dict | None):
