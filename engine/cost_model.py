@@ -341,6 +341,23 @@ def step_s(ks: Sequence[int], cost: StepCostModel, context_tokens: int = 0, extr
     return total
 
 
+def step_parts(cost: StepCostModel, ks: Sequence[int], num_seqs: int, query_tokens: int,
+               first_round_tokens: int, context_tokens: int = 0) -> tuple[float, float]:
+    """(draft rounds, verify forward) of one step as run: `num_seqs` sequences in the verify
+    forward carrying `query_tokens` (prompt chunks, fed tokens and drafts), max(ks) draft
+    rounds, round j over the n_j sequences with k >= j, the first of them feeding
+    `first_round_tokens` (what each draft had not read yet: one token when on time, a prompt
+    it never saw). The engine prices each step it runs with this (`ServingTimes`, what the
+    served steps took against their profile) and the simulator's engines time theirs."""
+    verify = cost.target_s(num_seqs, query_tokens, context_tokens)
+    drafting = 0.0
+    for j in range(1, max(ks, default=0) + 1):
+        n_j = sum(1 for k in ks if k >= j)
+        drafting += cost.draft_s(n_j, first_round_tokens if j == 1 else n_j,
+                                 context_tokens * n_j // max(num_seqs, 1))
+    return drafting, verify
+
+
 def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostModel,
              context_tokens: int = 0, extra_tokens: int = 0,
              max_slowdown: float | None = 0.05,

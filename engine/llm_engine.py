@@ -17,14 +17,14 @@ import torch
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
-from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, catch_up_prices,
+from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, catch_up_prices, step_parts,
                                engine_choose_k)
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError
 from engine.faults import Faults, FaultyRunner
 from engine.kv_cache import BlockPool
 from engine.memory import kv_budget_bytes
-from engine.metrics import Metrics, MetricsSnapshot
+from engine.metrics import Metrics, MetricsSnapshot, ServingTimes
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
@@ -86,6 +86,9 @@ class LLMEngine:
         # Engine-wide per-token acceptance a (engine/acceptance.py: decayed pooled counts).
         self.acceptance = AcceptanceEstimate(config.prior_acceptance, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self._probe = DraftProbe()    # drafts now and then when no one has for a while
+        # Where serving time goes: steps against their profile's prices, the loop's time
+        # between steps, requests' time in the engine (`EngineStats.serving`).
+        self.serving = ServingTimes()
         self._kv_marks: deque[tuple[float, int, int]] = deque()   # (time, target, draft blocks)
         self.seqs: dict[str, Sequence] = {}
         self.draft_swaps = 0
@@ -166,6 +169,13 @@ class LLMEngine:
         """One batched step. A fault inside it fails only the requests of this step (each gets
         a final output with `error`); the engine goes on serving the others."""
         start = time.perf_counter()
+        self.serving.begin(start)
+        try:
+            return self._step(start)
+        finally:
+            self.serving.end(time.perf_counter(), self.scheduler.has_work())
+
+    def _step(self, start: float) -> list[RequestOutput]:
         if self.faults is not None:
             self.faults.fire("engine_crash")
         items = self.scheduler.schedule()
@@ -178,6 +188,11 @@ class LLMEngine:
         # seen, or many tokens it skipped) prefills inside this step: not a decode step's cost.
         catch_up = max((len(it.seq.token_ids) - it.seq.draft_computed for it in items if it.k > 0),
                        default=0)
+        # what the profile prices this step at, as run (ServingTimes)
+        priced = step_parts(self.cost.base, [it.k for it in items], len(items),
+                            sum(it.num_feed + it.k for it in items),
+                            sum(len(it.seq.token_ids) - it.seq.draft_computed for it in items if it.k),
+                            sum(len(it.seq.token_ids) for it in items))
         try:
             results, times = step(items, self.target, self.draft)
         except Exception as exc:
@@ -197,8 +212,10 @@ class LLMEngine:
                 continue
             if out is not None:
                 outputs.append(out)
+        seconds = time.perf_counter() - start
+        self.serving.stepped(seconds, times.draft_s, priced)
         if catch_up <= CATCH_UP_MAX:
-            self._calibrate(items, time.perf_counter() - start, times)
+            self._calibrate(items, seconds, times)
         return outputs
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
@@ -284,6 +301,7 @@ class LLMEngine:
             final = True
         if final:
             del self.seqs[seq.request_id], self.detok[seq.request_id]
+            self.serving.finished(time.monotonic() - seq.arrival)
         return RequestOutput(seq.request_id, detok.delta(final), new, final, seq.finish_reason,
                              seq.num_prompt, seq.num_output, seq.mode, seq.acceptance_rate,
                              seq.mean_acceptance_length, seq.token_acceptance,
@@ -355,6 +373,7 @@ class LLMEngine:
             draft_kv_bytes_per_token=float(pool.draft.elems_per_token * per_token) if pool.draft else 0.0,
             context_tokens=sum(len(q.token_ids) for q in s.running),
             max_model_len=self.max_model_len, cost=replace(self.cost),
+            serving=replace(self.serving),
             acceptance_rate=measured,
             token_acceptance=self.global_acceptance if measured is not None else None,
             speculating_acceptance=tuple(self._acceptance(q) for q in s.running if q.speculative),

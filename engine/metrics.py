@@ -53,3 +53,53 @@ class Metrics:
                                list(d.num_accepted_tokens_per_pos), d.num_emitted_tokens,
                                d.num_steps, num_preemptions, num_spec_downgrades,
                                d.num_failed_steps, d.num_draft_failures)
+
+
+@dataclass
+class ServingTimes:
+    """Where a served engine's time goes, cumulative since it started (`EngineStats.serving`;
+    `bench serve` takes each window's differences from `/health`, and `specserve simulate
+    --scenario local-cpu` times its engines with them):
+      - steps: every step's seconds, its draft rounds' part, and what the engine's profiled
+        cost prices the same steps at (`engine.cost_model.step_parts`), so that a window's
+        steps took (step_s - draft_s) / priced_target_s and draft_s / priced_draft_s of their
+        profile's prices, over all its steps (prompt chunks and drafts catching up included)
+        rather than the calibration's last reading;
+      - gaps: the time between two steps while requests waited for the next one, what the loop
+        around `LLMEngine.step` (the engine process's messages and inbox, or the replica's
+        thread) and whatever else ran on the core took (a step after an idle spell starts
+        none: that wait is the callers');
+      - requests: finished requests and their seconds in the engine (add_request to the final
+        output), so that what a caller waited beyond it is the serving path's (HTTP, router,
+        Ray)."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    draft_s: float = 0.0
+    priced_target_s: float = 0.0
+    priced_draft_s: float = 0.0
+    gaps: int = 0
+    gap_s: float = 0.0
+    requests: int = 0
+    request_s: float = 0.0
+    _ended: float | None = field(default=None, repr=False, compare=False)   # the last step's end,
+    #   if work was left then
+
+    def begin(self, now: float) -> None:
+        if self._ended is not None:
+            self.gaps += 1
+            self.gap_s += max(0.0, now - self._ended)
+
+    def end(self, now: float, work_left: bool) -> None:
+        self._ended = now if work_left else None
+
+    def stepped(self, seconds: float, draft_s: float, priced: tuple[float, float]) -> None:
+        self.steps += 1
+        self.step_s += seconds
+        self.draft_s += draft_s
+        self.priced_draft_s += priced[0]
+        self.priced_target_s += priced[1]
+
+    def finished(self, seconds: float) -> None:
+        self.requests += 1
+        self.request_s += seconds

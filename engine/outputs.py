@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.cost_model import CalibratedCost
+from engine.metrics import ServingTimes
 from engine.sampling_params import FinishReason, Mode
 
 
@@ -59,6 +60,7 @@ class EngineStats:
     kv_peak_target_bytes: int = 0          # the most KV in use at any step of the last
     kv_peak_draft_bytes: int = 0           # KV_PEAK_WINDOW_S (engine/llm_engine.py), now included
     available: bool = True                 # False: the engine loop died (being replaced)
+    serving: ServingTimes | None = None    # steps against their profile, loop gaps, requests
 
     @property
     def load(self) -> int:

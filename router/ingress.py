@@ -324,7 +324,7 @@ class Ingress:
     @app.get("/health")
     async def health(self, request: Request) -> Response:
         self.live.start()
-        tiers = self.observer.health()
+        tiers = self.observer.health(profile=request.query_params.get("profile") == "1")
         ready = all(t["replicas"] > 0 for t in tiers.values())
         status = "draining" if self.admission.draining else "ok" if ready else "starting"
         body = {"status": status}

@@ -19,7 +19,7 @@ anything (that is `router/pricing.py` and `router/accounting.py`).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from statistics import median
 
 from engine.acceptance import CLASS_DECAY, CLASS_PRIOR_TRIALS, MIN_SAMPLE_TRIALS, AcceptanceEstimate
@@ -119,9 +119,10 @@ class Observer:
             tiers["small"] = self._tier("small")
         return ClusterStats(tiers)
 
-    def health(self) -> dict:
-        """Per tier: replicas, load, KV bytes held and live acceptance (for `/health`)."""
-        return {kind: _tier_health(replicas) for kind, replicas in self.replicas.items()}
+    def health(self, profile: bool = False) -> dict:
+        """Per tier: replicas, load, KV bytes held and live acceptance (for `/health`); with
+        `profile`, also the step-cost profile the tier's engine runs on."""
+        return {kind: _tier_health(replicas, profile) for kind, replicas in self.replicas.items()}
 
     def _cost(self, kind: str, replica_id: str, s: EngineStats):
         """The replica's cost with its draft price factor at the median of its recent reports."""
@@ -157,9 +158,11 @@ class Observer:
             cost=self._cost(kind, replica_id, s) if draft_kv > 0 else None)
 
 
-def _tier_health(replicas: dict) -> dict:
+def _tier_health(replicas: dict, profile: bool = False) -> dict:
     """One tier's replicas, load, KV bytes held (target, draft) and live per-token acceptance:
-    read-only numbers for `specserve bench serve` and operators."""
+    read-only numbers for `specserve bench serve` and operators. `profile`: also the profiled
+    step cost (`cost_profile`, the first replica's base model as JSON) that
+    `simulate --scenario local-cpu` times its replicas with."""
     reps = list(replicas.values())
     acc = [r.token_acceptance for r in reps if r.token_acceptance is not None]
     headroom = [r.kv_headroom_bytes / r.kv_budget_bytes for r in reps if r.kv_budget_bytes > 0]
@@ -177,4 +180,16 @@ def _tier_health(replicas: dict) -> dict:
             # per-sequence overhead and the draft's price factor): `simulate --scenario local-cpu`
             # times its replicas with them
             "cost_per_seq_ms": sum(c.per_seq_s for c in costs) / len(costs) * 1e3 if costs else None,
-            "cost_spec_scale": sum(c.spec_scale for c in costs) / len(costs) if costs else None}
+            "cost_spec_scale": sum(c.spec_scale for c in costs) / len(costs) if costs else None,
+            # steps against their profile, the loop's gaps, requests' time in the engine
+            # (cumulative, summed over the replicas; engine.metrics.ServingTimes)
+            "serving": _sum_serving([r.serving for r in reps if r.serving is not None]),
+            **({"cost_profile": costs[0].base.to_dict()}
+               if profile and costs and hasattr(costs[0].base, "to_dict") else {})}
+
+
+def _sum_serving(records: list) -> dict | None:
+    if not records:
+        return None
+    names = [f.name for f in fields(records[0]) if not f.name.startswith("_")]
+    return {name: sum(getattr(r, name) for r in records) for name in names}

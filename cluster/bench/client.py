@@ -152,6 +152,34 @@ async def poisson(issue, rate: float, stop_at: float, rng: random.Random):
     await asyncio.gather(*tasks)
 
 
+def window_serving(d: dict) -> dict:
+    """A window's differences of a tier's cumulative `ServingTimes`, as `simulate --scenario
+    local-cpu` reads them: what its steps took against their profile's prices (target part,
+    draft part), the loop's time between steps, a request's time in the engine."""
+    ratio = lambda a, b: a / b if b > 0 else None   # noqa: E731
+    return {"steps": d["steps"],
+            "target_factor": ratio(d["step_s"] - d["draft_s"], d["priced_target_s"]),
+            "draft_factor": ratio(d["draft_s"], d["priced_draft_s"]),
+            "loop_gap_ms": ratio(d["gap_s"] * 1e3, d["gaps"]),
+            "engine_request_s": ratio(d["request_s"], d["requests"])}
+
+
+async def served_profiles(client: httpx.AsyncClient, admin_key: str | None) -> dict:
+    """{tier: the step-cost profile its engine runs on} (`/health?profile=1`, admin keys only;
+    {} without one): `simulate --scenario local-cpu` times its replicas with the very table
+    the served engines profiled, not one profiled again later (the machine's speed drifts:
+    three profiles of one target an hour apart differed by 15%)."""
+    if not admin_key:
+        return {}
+    try:
+        r = await client.get("/health", params={"profile": "1"}, timeout=10,
+                             headers={"Authorization": f"Bearer {admin_key}"})
+        tiers = r.json().get("tiers", {})
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {kind: t["cost_profile"] for kind, t in tiers.items() if t.get("cost_profile")}
+
+
 class HealthSampler:
     """Polls `/health` while a run lasts: peak KV bytes (target, draft) and queue, and the
     target's live acceptance, from what the replicas report to the router."""
@@ -203,7 +231,16 @@ class HealthSampler:
                 for key in ("cost_per_seq_ms", "cost_spec_scale"):   # the window's last value
                     if s.get(key) is not None:
                         p[key] = s[key]
+                p.setdefault("running", []).append(s.get("running", 0))
+                if s.get("serving"):              # cumulative: the window's first and last
+                    p.setdefault("first_serving", s["serving"])
+                    p["last_serving"] = s["serving"]
         for p in out.values():
             acc = p.pop("acceptance")
             p["mean_token_acceptance"] = sum(acc) / len(acc) if acc else None
+            running = p.pop("running")
+            p["mean_running"] = sum(running) / len(running)
+            first, last = p.pop("first_serving", None), p.pop("last_serving", None)
+            if first and last:
+                p.update(window_serving({k: last[k] - first[k] for k in last}))
         return out

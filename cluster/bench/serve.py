@@ -108,7 +108,7 @@ async def bench(url: str, key: str, args, progress=True) -> dict:
     import httpx
     from tqdm import tqdm
 
-    from cluster.bench.client import POLICIES, Workload
+    from cluster.bench.client import POLICIES, Workload, served_profiles
     from cluster.bench.stats import SLO, mean_ci95, summarize, timeline
 
     policies = _list(args.policies, str)
@@ -159,8 +159,10 @@ async def bench(url: str, key: str, args, progress=True) -> dict:
                               health_peaks=_max_peaks([r["health_peaks"] for r in reps]))
                 results.append(pooled)
         bar.close()
+        profiles = await served_profiles(client, args.admin_key)
     return {"model": model, "url": url, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
-            "results": results, "comparison": compare(results), "runs": runs}
+            "results": results, "comparison": compare(results), "runs": runs,
+            "served_profiles": profiles}
 
 
 def _get(d: dict, path: str):

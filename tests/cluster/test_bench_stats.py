@@ -136,3 +136,32 @@ def test_every_policy_opens_as_many_loads_and_repeats_as_the_others():
         orders = [window_order(policies, load, rep) for rep in range(3)]
         assert all(sorted(o) == sorted(policies) for o in orders)
         assert len({o[0] for o in orders}) == 3
+
+
+def test_a_windows_serving_times_are_the_differences_of_its_first_and_last_reading():
+    """`/health` reports cumulative ServingTimes; a window reads its own steps against their
+    profile, the loop's gaps and a request's time in the engine from the readings inside it,
+    and the mean of the running sequences sampled."""
+    from cluster.bench.client import HealthSampler
+
+    def reading(steps, step_s, draft_s, pt, pd, gaps, gap_s, req, req_s, running):
+        return {"target": {"running": running, "serving": dict(
+            steps=steps, step_s=step_s, draft_s=draft_s, priced_target_s=pt, priced_draft_s=pd,
+            gaps=gaps, gap_s=gap_s, requests=req, request_s=req_s)}}
+
+    h = HealthSampler(None)
+    h.samples = [(0.0, reading(1, 9.0, 9.0, 9.0, 9.0, 1, 9.0, 1, 9.0, 30)),     # before the window
+                 (1.0, reading(10, 1.0, 0.2, 0.5, 0.1, 8, 0.004, 3, 1.0, 2)),
+                 (2.0, reading(20, 2.0, 0.5, 1.0, 0.2, 18, 0.006, 5, 1.6, 4)),
+                 (3.0, reading(30, 3.0, 0.6, 1.5, 0.3, 28, 0.010, 9, 3.0, 6)),
+                 (9.0, reading(99, 99.0, 9.0, 9.0, 9.0, 99, 9.0, 99, 99.0, 30))]  # after it
+    p = h.peaks(1.0, 4.0)["target"]
+    assert p["mean_running"] == pytest.approx(4.0) and p["steps"] == 20
+    assert p["target_factor"] == pytest.approx((2.0 - 0.4) / 1.0)
+    assert p["draft_factor"] == pytest.approx(0.4 / 0.2)
+    assert p["loop_gap_ms"] == pytest.approx(0.006 / 20 * 1e3)
+    assert p["engine_request_s"] == pytest.approx(2.0 / 6)
+    # one reading: no differences, nothing claimed
+    h.samples = h.samples[1:2]
+    q = h.peaks(1.0, 4.0)["target"]
+    assert q["target_factor"] is None and q["loop_gap_ms"] is None and q["engine_request_s"] is None

@@ -193,3 +193,20 @@ def test_the_policy_sees_the_draft_price_at_its_recent_median():
     obs.report("ready", stats(3.5, 2.0), "small")
     obs.report("ready", stats(3.5, 3.0), "small")
     assert obs.cluster_stats().target.cost.spec_scale == 1.2
+
+
+def test_health_sums_where_serving_time_goes_and_shows_the_profile_on_request():
+    """`/health` sums the replicas' cumulative `ServingTimes` (what `bench serve` takes window
+    differences of) and, asked (`?profile=1`), the profile the tier's engines run on."""
+    from engine.metrics import ServingTimes
+
+    obs = Observer()
+    a = ServingTimes(steps=10, step_s=1.0, draft_s=0.2, priced_target_s=0.5, gaps=9, gap_s=0.01)
+    b = ServingTimes(steps=5, step_s=0.5, requests=2, request_s=0.8)
+    obs.report("a", engine_stats(serving=a))
+    obs.report("b", engine_stats(serving=b))
+    target = obs.health()["target"]
+    assert target["serving"]["steps"] == 15 and target["serving"]["step_s"] == pytest.approx(1.5)
+    assert target["serving"]["gaps"] == 9 and target["serving"]["requests"] == 2
+    assert "_ended" not in target["serving"] and "cost_profile" not in target
+    assert obs.health(profile=True)["target"]["cost_profile"] == COST.base.to_dict()
