@@ -86,18 +86,29 @@ class _ByBatch:
 @dataclass
 class _Learnt:
     """The served engine's step times: its profile, plus the per-sequence overhead and the
-    draft's price factor it learnt while serving, each as learnt at the step's batch size."""
+    draft's price factor it learnt while serving, each as learnt at the step's batch size, and
+    the engine loop's time between two steps (`gap_s`; the engine does not calibrate on it)."""
 
     base: object
     per_seq_ms: _ByBatch
     spec_scale: _ByBatch
+    gap_ms: _ByBatch | None = None
+    target_factor: _ByBatch | None = None   # what the served steps took against the profile's
+    draft_factor: _ByBatch | None = None    #   prices (ServingTimes); given, they replace the
+    #   calibration's readings (per_seq_ms, spec_scale)
+
+    def gap_s(self, num_seqs: int) -> float:
+        return self.gap_ms(num_seqs) / 1e3 if self.gap_ms else 0.0
 
     def target_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
-        return (self.base.target_s(num_seqs, num_tokens, context_tokens)
-                + self.per_seq_ms(num_seqs) / 1e3 * num_seqs)
+        base = self.base.target_s(num_seqs, num_tokens, context_tokens)
+        if self.target_factor:
+            return self.target_factor(num_seqs) * base
+        return base + self.per_seq_ms(num_seqs) / 1e3 * num_seqs
 
     def draft_s(self, num_seqs: int, num_tokens: int, context_tokens: int = 0) -> float:
-        return self.spec_scale(num_seqs) * self.base.draft_s(num_seqs, num_tokens, context_tokens)
+        scale = self.draft_factor or self.spec_scale
+        return scale(num_seqs) * self.base.draft_s(num_seqs, num_tokens, context_tokens)
 
 
 def serving_cost(base, overhead_s: float = 0.0, learnt: dict | None = None):
@@ -108,27 +119,34 @@ def serving_cost(base, overhead_s: float = 0.0, learnt: dict | None = None):
     target step."""
     learnt = learnt or {}
     points = lambda v: v if isinstance(v, dict) else {1: v}   # noqa: E731  (one number: every batch)
+    given = lambda key: _ByBatch(points(learnt[key])) if learnt.get(key) else None   # noqa: E731
     return _Learnt(_Overhead(base, overhead_s) if overhead_s else base,
                    _ByBatch(points(learnt.get("per_seq_ms", 0.0))),
-                   _ByBatch(points(learnt.get("spec_scale", 1.0))))
+                   _ByBatch(points(learnt.get("spec_scale", 1.0))),
+                   given("gap_ms"), given("target_factor"), given("draft_factor"))
 
 
-def _replica(engine, overhead_s: float, learnt: dict | None):
+def _replica(engine, overhead_s: float, learnt: dict | None, profile: dict | None = None):
     from cluster.sim.replica import ReplicaConfig
+    from engine.cost_model import step_cost_from_dict
 
     stats = engine.stats()          # KV budget and bytes per token, as the engine reports them
-    return ReplicaConfig(serving_cost(engine.cost.base, overhead_s, learnt), [float(stats.kv_budget_bytes)], [0.0],
+    # the profile the served engine ran on (the bench JSON's), else this engine's (its cache)
+    base = step_cost_from_dict(profile) if profile else engine.cost.base
+    return ReplicaConfig(serving_cost(base, overhead_s, learnt), [float(stats.kv_budget_bytes)], [0.0],
                          [stats.target_kv_bytes_per_token], [stats.draft_kv_bytes_per_token],
                          max_num_seqs=engine.config.max_num_seqs,
                          max_batched_tokens=engine.config.max_num_batched_tokens,
                          max_waiting=engine.config.max_waiting,   # then 429
                          engine_downgrade=True,  # the engine's scheduler
-                         believed=engine.cost.base)  # what it starts from, and then learns
+                         believed=base)  # what it starts from, and then learns
 
 
 def build(family: str | None, config: str | None = None, overhead_s: float = 0.0,
-          learnt: dict | None = None):
-    """(target replica, small replica, prompt token counts) from the app's config."""
+          learnt: dict | None = None, profiles: dict | None = None):
+    """(target replica, small replica, prompt token counts) from the app's config; `profiles`
+    ({tier: step-cost JSON}, what `bench serve` recorded): the tiers' profiled step costs, else
+    the engines' own (profiled here, or read from their cache)."""
     from cluster.bench.serve import PROMPTS_DIR, load_prompts
     from cluster.launch.up import DEFAULT_CONFIG
     from engine.llm_engine import LLMEngine
@@ -139,7 +157,9 @@ def build(family: str | None, config: str | None = None, overhead_s: float = 0.0
     engines = [LLMEngine(t.engine_config()) for t in (cfg.target, cfg.small)]
     prompts = [p for ps in load_prompts(PROMPTS_DIR, ["code", "prose", "chat"]).values() for p in ps]
     lengths = [len(engines[0].tokenizer(p)["input_ids"]) for p in prompts]
-    reps = [_replica(engines[0], overhead_s, learnt), _replica(engines[1], overhead_s, None)]
+    profiles = profiles or {}
+    reps = [_replica(engines[0], overhead_s, learnt, profiles.get("target")),
+            _replica(engines[1], overhead_s, None, profiles.get("small"))]
     for e in engines:
         e.shutdown() if hasattr(e, "shutdown") else None
     return reps[0], reps[1], lengths
@@ -150,45 +170,74 @@ def _median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _target(run: dict) -> dict:
+    return run.get("health_peaks", {}).get("target", {})
+
+
+def _window_values(run: dict) -> dict:
+    """One window's readings of the target replica (see `bench_learnt`)."""
+    t = _target(run)
+    e2e, engine = run.get("e2e_s", {}).get("mean"), t.get("engine_request_s")
+    return {"per_seq_ms": t.get("cost_per_seq_ms"), "spec_scale": t.get("cost_spec_scale"),
+            "target_factor": t.get("target_factor"), "draft_factor": t.get("draft_factor"),
+            "gap_ms": t.get("loop_gap_ms"),
+            "path_s": max(0.0, e2e - engine) if e2e is not None and engine is not None else None}
+
+
+def bench_path(bench: dict, policy: str, load_kind: str, load: float) -> float:
+    """The serving path's time a request (HTTP, router, Ray) in the windows at this load of
+    the policy and those sharing its engine state (median; 0 where not measured)."""
+    kin = DRAFTING if policy in DRAFTING else (policy,)
+    return _median(_window_values(r)["path_s"] for r in bench.get("runs", [])
+                   if r["policy"] in kin and r.get("load_kind") == load_kind
+                   and float(r.get("load", -1)) == float(load)) or 0.0
+
+
 def bench_learnt(bench: dict, policy: str | None = None) -> dict:
-    """What the target replica learnt while serving, as `/health` reported it at the end of
-    each window. No policy: the per-sequence overhead (median over every run) and the draft's
-    price factor (median over the runs in which every request drafted). A policy: both from
-    that policy's runs, as {batch size: median}, the batch the window's peak of running
-    sequences; for a policy whose requests draft (DRAFTING), from the windows of every such
-    policy in which the draft ran (one window's last reading is noisy: at one user 0.09 and
-    0.53 ms a sequence in two windows of the same engine state). Both grow or shrink with the
-    batch (reference-py, one thread: the price factor 1.1-1.3 at 1-4 sequences, 2.0-2.5 at
-    16-32), and a drafting step's own overhead lands in the per-sequence price (0.3-0.8 ms a
-    sequence at 1-4 drafting, 0.02-0.07 plain; notes/issue8.md, session 31)."""
+    """What the target replica measured of itself while serving, from each window's `/health`
+    readings: what its steps took against their profile's prices, target and draft parts
+    (`target_factor`, `draft_factor`, over every step of the window; `ServingTimes`), its loop's
+    time between steps (`gap_ms`) and the serving path's time a request (`path_s`: the callers'
+    mean latency less the engine's mean time for a request); from JSON written before those,
+    the calibration's last readings (`per_seq_ms`, `spec_scale`). No policy: medians over the
+    runs (the draft's over the runs in which every request drafted). A policy: from that
+    policy's runs, as {batch size: median}, the batch the window's mean of running sequences
+    (else its peak); for a policy whose requests draft (DRAFTING), from the windows of every
+    such policy in which the draft ran (they share one engine state). Each grows or shrinks
+    with the batch (reference-py, one thread: the draft's price factor 1.1-1.3 at 1-4
+    sequences, 2.0-2.5 at 16-32; notes/issue8.md, session 31)."""
     runs = bench.get("runs", [])
-    target = lambda r: r.get("health_peaks", {}).get("target", {})   # noqa: E731
+    values = _window_values
+    draft_keys = ("spec_scale", "draft_factor")
     if policy is None:
-        out = {"per_seq_ms": _median(target(r).get("cost_per_seq_ms") for r in runs),
-               "spec_scale": _median(target(r).get("cost_spec_scale") for r in runs
-                                     if r["policy"] in SPECULATING)}
+        out = {key: _median(values(r)[key] for r in runs
+                            if key not in draft_keys or r["policy"] in SPECULATING)
+               for key in values({})}
         return {k: v for k, v in out.items() if v is not None}
-    out: dict[str, dict] = {"per_seq_ms": {}, "spec_scale": {}}
-    # the policies whose requests draft share one engine state: their windows pool
+    out: dict[str, dict] = {}
     kin = DRAFTING if policy in DRAFTING else (policy,)
     for r in runs:
-        t = target(r)
+        t = _target(r)
         if r["policy"] not in kin or not t.get("peak_running"):
             continue
-        if policy in DRAFTING and not t.get("peak_kv_used_draft_bytes"):
-            continue
         drafted = bool(t.get("peak_kv_used_draft_bytes"))
-        for key, name in (("per_seq_ms", "cost_per_seq_ms"), ("spec_scale", "cost_spec_scale")):
-            if t.get(name) is not None and (drafted or key == "per_seq_ms"):
-                out[key].setdefault(int(t["peak_running"]), []).append(t[name])
-    return {k: {n: statistics.median(vs) for n, vs in sorted(v.items())} for k, v in out.items() if v}
+        if policy in DRAFTING and not drafted:
+            continue
+        batch = max(1, round(t.get("mean_running") or t["peak_running"]))
+        for key, v in values(r).items():
+            if v is not None and (drafted or key not in draft_keys):
+                out.setdefault(key, {}).setdefault(batch, []).append(v)
+    return {k: {n: statistics.median(vs) for n, vs in sorted(v.items())} for k, v in out.items()}
 
 
 def bench_acceptance(bench: dict) -> float | None:
     """The target's live per-token acceptance that /health reported in the runs in which every
-    request drafted."""
-    return _median(r.get("health_peaks", {}).get("target", {}).get("mean_token_acceptance")
-                   for r in bench.get("runs", []) if r["policy"] in SPECULATING)
+    request drafted, else in those of any policy whose requests may draft (auto) where the
+    draft ran."""
+    runs = bench.get("runs", [])
+    return (_median(_target(r).get("mean_token_acceptance") for r in runs if r["policy"] in SPECULATING)
+            or _median(_target(r).get("mean_token_acceptance") for r in runs
+                       if r["policy"] in DRAFTING and _target(r).get("peak_kv_used_draft_bytes")))
 
 
 def run_local(args) -> int:
@@ -220,7 +269,8 @@ def run_local(args) -> int:
     # batch (else the medians over the run)
     pooled = {} if args.profile_only else bench_learnt(bench)
     learnt = {p: pooled if args.profile_only else bench_learnt(bench, p) or pooled for p in policies}
-    target, small, lengths = build(family, config, args.overhead_ms / 1000, pooled)
+    target, small, lengths = build(family, config, args.overhead_ms / 1000, pooled,
+                                   bench.get("served_profiles"))
     measured = {(r["policy"], r["load_kind"], r["load"]): r for r in bench.get("results", [])}
     a = args.acceptance or bench_acceptance(bench) or 0.7
     mix = AcceptanceMix("local", {"code": 1, "prose": 1, "chat": 1}, {"code": a, "prose": a, "chat": a})
@@ -232,10 +282,11 @@ def run_local(args) -> int:
             sim_policy, plan = POLICY_OF[policy]
             closed = kind == "users"
             w = Workload(closed_loop=closed, prompt_median=int(statistics.median(lengths)),
-                         prompt_sigma=0.3, output_median=output_tokens, output_sigma=0.3,
-                         max_tokens=output_tokens + spread,
+                         prompt_sigma=0.3, output_median=output_tokens, max_tokens=output_tokens + spread,
+                         output_spread=spread / output_tokens,   # bench serve's lengths
                          requests=max(60, 8 * int(load)) if closed else max(60, int(40 * load)),
-                         plan=plan, queue_timeout_s=600)
+                         plan=plan, queue_timeout_s=600,
+                         path_s=0.0 if args.profile_only else bench_path(bench, policy, kind, load))
             truth = replace(target, cost=serving_cost(target.believed, args.overhead_ms / 1000,
                                                       learnt[policy]))
             r = simulate(truth, small, sim_policy, w, mix, load, args.seed, max_context=512).row()

@@ -31,7 +31,7 @@ from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIA
                                AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
 from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, StepCostModel,
-                               catch_up_prices, engine_choose_k)
+                               catch_up_prices, engine_choose_k, step_parts)
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from engine.outputs import EngineStats
 
@@ -163,6 +163,7 @@ class Replica:
         self._k_cache: dict = {}
         self.belief = CalibratedCost(cfg.believed or cfg.cost, draft_excess=True)   # the engine's
         self.split = (0.0, 0.0)   # the planned step's draft rounds and verify forward, seconds
+        self.gap = 0.0            # ... and the engine loop's time before it
         self.probe = DraftProbe()    # the engine's: drafts now and then when no one has
         self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self.drafted = self.accepted = 0  # draft tokens since start (the dashboard's rate)
@@ -277,16 +278,15 @@ class Replica:
         ctx = sum(s.context for s in self.running)
         extra = sum(c for _, c in chunks)
         cost = self.cfg.cost
-        verify = cost.target_s(len(decode) + len(chunks), len(decode) + sum(ks) + extra, ctx)
         # A draft reads what it has not read (the prompt included) in its first round.
-        catch_up = sum(s.lag for s, k in zip(decode, ks) if k)
-        drafting = 0.0
-        for j in range(1, max(ks, default=0) + 1):
-            n_j = sum(1 for k in ks if k >= j)
-            tokens = n_j + (catch_up if j == 1 else 0)
-            drafting += cost.draft_s(n_j, tokens, ctx * n_j // max(len(self.running), 1))
+        first = sum(1 + s.lag for s, k in zip(decode, ks) if k)
+        drafting, verify = step_parts(cost, list(ks) + [0] * len(chunks), len(decode) + len(chunks),
+                                      len(decode) + sum(ks) + extra, first, ctx)
         self.split = (drafting, verify)
-        return verify + drafting
+        # the engine loop's time before the step (its messages; the served engine's LoopTimes),
+        # which it does not calibrate on
+        self.gap = getattr(cost, "gap_s", lambda n: 0.0)(len(decode) + len(chunks))
+        return verify + drafting + self.gap
 
     def _choose_ks(self, decode: list[Seq], ctx: int, extra: int) -> list[int]:
         caps = [min(s.k_cap, s.spec.max_tokens - s.emitted - 1) if s.speculative else 0 for s in decode]
@@ -323,7 +323,8 @@ class Replica:
         reading = max((s.lag for s, k in decode if k), default=0)
         if decode and not chunks and reading <= CATCH_UP_MAX:
             drafting, verify = self.split
-            self.belief.calibrate([k for _, k in decode], sum(s.context for s, _ in decode), seconds,
+            self.belief.calibrate([k for _, k in decode], sum(s.context for s, _ in decode),
+                                  seconds - self.gap,
                                   could_draft=any(s.speculative for s, _ in decode),
                                   draft_seconds=drafting, verify_seconds=verify)
         emitted = 0

@@ -92,12 +92,17 @@ class Workload:
     output_median: int = 250  # tokens, lognormal, capped at max_tokens
     output_sigma: float = 0.7
     max_tokens: int = 1024  # the request field; KV is reserved for prompt + max_tokens
+    output_spread: float = 0.0  # > 0: every request asks for max_tokens uniform in
+    #   output_median * (1 +- spread) and gets them all (`bench serve`'s requests, ignore_eos)
     think_s: float = 0.0  # closed loop: mean exponential pause between a user's requests
     start_spread_s: float = 1.0  # closed loop: users start uniformly within this window
     requests: int = 160  # measured requests per run (at least 8 per user)
     plan: str = "auto"
     allow_downgrade: bool = False
     queue_timeout_s: float = 60.0  # a request waiting longer is refused
+    path_s: float = 0.0  # the serving path's time a request (HTTP, router, Ray: outside the
+    #   engine), taken before it reaches the engine: in its latency and first token, and in a
+    #   closed-loop user's cycle
     slo_ttft_s: float = 2.0  # SLO: time to first token at most this ...
     slo_tpot_s: float = 0.1  # ... and time per output token after it at most this
     open_loads: tuple[float, ...] = ()  # QPS for --arrivals poisson | bursty (closed-loop scenarios)
@@ -199,7 +204,11 @@ def make_request(w: Workload, mix: AcceptanceMix, seed: int, user: int, index: i
 
     max_tokens = min(w.max_tokens, max_context - 16)
     prompt = lognormal(w.prompt_median, w.prompt_sigma, 16, max_context - max_tokens)
-    output = lognormal(w.output_median, w.output_sigma, 8, max_tokens)
+    if w.output_spread > 0:
+        lo, hi = (max(1, round(w.output_median * (1 + d * w.output_spread))) for d in (-1, 1))
+        output = max_tokens = min(max_tokens, rng.randint(lo, hi))
+    else:
+        output = lognormal(w.output_median, w.output_sigma, 8, max_tokens)
     domain, a = mix.draw(rng)
     think = rng.expovariate(1.0 / w.think_s) if w.think_s > 0 else 0.0
     return RequestSpec(user, index, prompt, output, max_tokens, domain, a, think, rng.getrandbits(32))

@@ -45,17 +45,19 @@ class RunResult:
     downgrades: int = 0
     calibrated_per_seq_s: float = 0.0  # what the serving engine learnt beyond its base model
     calibrated_spec_scale: float = 1.0  # ... and its draft's price over the base's
+    path_s: float = 0.0  # Workload.path_s: in every latency and first token
 
     def row(self) -> dict:
         done = [s for s in self.seqs if s.finish_s is not None]
-        e2e = sorted(s.finish_s - s.arrival_s for s in done)
+        path = self.path_s   # the requests reached the engine this long after they were sent
+        e2e = sorted(s.finish_s - s.arrival_s + path for s in done)
         tpot_of = {id(s): (s.finish_s - s.first_token_s) / (s.spec.output_tokens - 1)
                    if s.spec.output_tokens > 1 else 0.0 for s in done}
         tpot = sorted(tpot_of[id(s)] for s in done if s.spec.output_tokens > 1)
-        ttft = sorted(s.first_token_s - s.arrival_s for s in done)
+        ttft = sorted(s.first_token_s - s.arrival_s + path for s in done)
         queue = sorted(s.admit_s - s.arrival_s for s in done)
         decode_s = sum(s.finish_s - s.first_token_s for s in done)
-        met = [s for s in done if s.first_token_s - s.arrival_s <= self.slo_ttft_s
+        met = [s for s in done if s.first_token_s - s.arrival_s + path <= self.slo_ttft_s
                and tpot_of[id(s)] <= self.slo_tpot_s]
         throughput = self.window_tokens / self.window_s
         usd_s = self.gpus * self.gpu_hour_usd / 3600.0
@@ -116,6 +118,7 @@ def simulate(target: ReplicaConfig, small: ReplicaConfig | None, policy: str, wo
     result.downgrades = sum(r.downgrades for r in serving)
     result.calibrated_per_seq_s = serving[0].belief.per_seq_s
     result.calibrated_spec_scale = serving[0].belief.spec_scale
+    result.path_s = workload.path_s
     return result
 
 
@@ -159,8 +162,10 @@ class _Run:
         return self.poisson.gammavariate(shape, 1.0 / (shape * self.load))
 
     def arrive_later(self, at: float, user: int, index: int) -> None:
+        """A request sent at `at` (after its think time) reaches the engine path_s later."""
         spec = make_request(self.workload, self.mix, self.seed, user, index, self.max_context)
-        heapq.heappush(self.events, (at + spec.think_s, next(self.order), "arrive", spec))
+        heapq.heappush(self.events, (at + spec.think_s + self.workload.path_s, next(self.order),
+                                     "arrive", spec))
 
     def least_loaded_small(self) -> Replica:
         return min(self.smalls, key=lambda r: len(r.running) + len(r.waiting))
@@ -220,7 +225,7 @@ class _Run:
             seq.measured = self.warm <= self.arrivals < self.warm + self.measured
             self.arrivals += 1
             if not self.workload.closed_loop:
-                self.arrive_later(now + self.gap(), 0, self.arrivals)
+                self.arrive_later(now - self.workload.path_s + self.gap(), 0, self.arrivals)
             replica = self.route(seq)
             if seq.measured:
                 self.seqs.append(seq)

@@ -2,12 +2,13 @@
 arrivals, SLO / goodput / cost, the small tier on the same GPUs, always-adaptive."""
 
 import statistics
+from dataclasses import replace
 
 import pytest
 
 from cluster.sim.fitted import FITTED
 from cluster.sim.replica import ReplicaConfig
-from cluster.sim.scenarios import Workload, fixed_mix
+from cluster.sim.scenarios import Workload, fixed_mix, make_request
 from cluster.sim.simulator import simulate
 from engine.cost_model import LinearCost, LinearStepCost, choose_k
 
@@ -294,3 +295,34 @@ def test_the_simulated_engine_prices_the_draft_from_its_timed_rounds_as_the_engi
         assert secs == pytest.approx(kw["draft_seconds"] + kw["verify_seconds"])
     assert row["calibrated_spec_scale"] == pytest.approx(2.0, rel=0.02)
     assert row["calibrated_per_seq_ms"] == pytest.approx(0.0, abs=0.01)
+
+
+def test_the_serving_path_is_in_every_latency_and_in_a_users_cycle():
+    """Workload.path_s: a request reaches the engine that long after it is sent (HTTP, router,
+    Ray). Closed loop, a user's cycle grows by it; open loop, the arrivals keep their rate."""
+    short = Workload(prompt_median=16, prompt_sigma=0.0, output_median=10, output_sigma=0.0,
+                     max_tokens=10, requests=40)
+    rows = {p: simulate(replica(LINEAR, draft=False), None, "baseline", replace(short, path_s=p),
+                        fixed_mix(0.5), 1, seed=0).row() for p in (0.0, 0.05)}
+    assert rows[0.0]["p50_latency_s"] == pytest.approx(0.2)            # 10 steps of 20 ms
+    assert rows[0.05]["p50_latency_s"] == pytest.approx(0.25)
+    assert rows[0.05]["p50_ttft_s"] == pytest.approx(rows[0.0]["p50_ttft_s"] + 0.05)
+    assert rows[0.05]["throughput_tok_s"] == pytest.approx(rows[0.0]["throughput_tok_s"] * 0.2 / 0.25, rel=0.02)
+    open_loop = replace(short, closed_loop=False, requests=400)
+    runs = {p: simulate(replica(LINEAR, draft=False), None, "baseline", replace(open_loop, path_s=p),
+                        fixed_mix(0.5), 2.0, seed=0) for p in (0.0, 0.05)}
+    t = {p: [s.arrival_s for s in r.seqs] for p, r in runs.items()}
+    assert t[0.05] == pytest.approx([x + 0.05 for x in t[0.0]])       # shifted, not stretched
+    assert runs[0.05].row()["p95_latency_s"] == pytest.approx(runs[0.0].row()["p95_latency_s"] + 0.05)
+
+
+def test_bench_serves_lengths_uniform_around_the_mean():
+    """output_spread: max_tokens uniform in median * (1 +- spread), every one of them emitted
+    (bench serve's requests ignore eos)."""
+    w = Workload(output_median=64, output_spread=0.5, max_tokens=96, prompt_median=16)
+    specs = [make_request(w, fixed_mix(0.5), 0, 0, i, 512) for i in range(2000)]
+    outs = [s.output_tokens for s in specs]
+    assert all(s.output_tokens == s.max_tokens for s in specs)
+    assert min(outs) == 32 and max(outs) == 96
+    assert statistics.fmean(outs) == pytest.approx(64, abs=1.5)
+    assert sum(o > 90 for o in outs) / len(outs) == pytest.approx(6 / 65, abs=0.02)

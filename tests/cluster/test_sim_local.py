@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from cluster.sim.local import add_arguments, bench_acceptance, bench_learnt, run_local, serving_cost
+from cluster.sim.local import (add_arguments, bench_acceptance, bench_learnt, bench_path, run_local,
+                               serving_cost)
 from engine.cost_model import LinearCost, LinearStepCost
 
 
@@ -113,3 +114,66 @@ def test_bad_input_is_a_message_not_a_traceback(tmp_path, capsys):
     assert run_local(parser.parse_args(["--policies", "standard,fastest"])) == 2
     err = capsys.readouterr().err
     assert "missing.json" in err and "not a `specserve bench serve` JSON" in err and "fastest" in err
+
+
+def _window(policy, kind, load, mean_running, e2e_mean, engine_s, draft_bytes=1, **target):
+    return {"policy": policy, "load_kind": kind, "load": load, "e2e_s": {"mean": e2e_mean},
+            "health_peaks": {"target": {"peak_running": 32, "mean_running": mean_running,
+                                        "peak_kv_used_draft_bytes": draft_bytes,
+                                        "engine_request_s": engine_s, **target}}}
+
+
+def test_what_the_served_steps_took_is_read_at_the_windows_mean_batch():
+    """Windows that report ServingTimes give the steps' factors over their profile, the loop's
+    gap and the serving path's time a request, at the window's mean batch (a Poisson window's
+    peak of 32 is not the batch its steps ran at); the path is what callers waited beyond
+    the engine."""
+    bench = {"runs": [
+        _window("auto", "rate", 4, 2.4, 0.40, 0.36, target_factor=1.3, draft_factor=1.5, loop_gap_ms=0.2),
+        _window("always-adaptive", "rate", 4, 1.6, 0.42, 0.40, target_factor=1.1, draft_factor=1.1),
+        _window("always-adaptive", "users", 8, 7.6, 0.70, 0.62, target_factor=1.6, draft_factor=2.0),
+        _window("standard", "rate", 4, 2.6, 0.50, 0.45, draft_bytes=0, target_factor=1.2,
+                draft_factor=None)]}
+    learnt = bench_learnt(bench, "auto")
+    assert learnt["target_factor"] == {2: pytest.approx(1.2), 8: 1.6}
+    assert learnt["draft_factor"] == {2: pytest.approx(1.3), 8: 2.0}
+    assert learnt["gap_ms"] == {2: 0.2}
+    assert learnt["path_s"] == {2: pytest.approx(0.03), 8: pytest.approx(0.08)}
+    assert bench_learnt(bench, "standard") == {"target_factor": {3: 1.2}, "path_s": {3: pytest.approx(0.05)}}
+    assert bench_path(bench, "always-adaptive", "rate", 4) == pytest.approx(0.03)   # with auto's
+    assert bench_path(bench, "standard", "rate", 4) == pytest.approx(0.05)
+    assert bench_path(bench, "standard", "users", 8) == 0.0                         # not measured
+
+
+def test_serving_cost_times_steps_by_what_they_took_against_the_profile():
+    base = LinearStepCost(LinearCost(0.010, 0.001, 0.0001), LinearCost(0.002, 0.0005, 0.0))
+    cost = serving_cost(base, learnt={"per_seq_ms": 5.0, "spec_scale": 9.0, "gap_ms": {1: 0.2, 9: 1.0},
+                                      "target_factor": {1: 1.2, 9: 1.6}, "draft_factor": 2.0})
+    assert cost.target_s(5, 5) == pytest.approx(1.4 * base.target_s(5, 5))   # not + per_seq
+    assert cost.draft_s(5, 5) == pytest.approx(2.0 * base.draft_s(5, 5))     # not spec_scale
+    assert cost.gap_s(5) == pytest.approx(0.6e-3)
+    assert serving_cost(base).gap_s(5) == 0.0
+
+
+def test_a_simulated_step_takes_the_loops_gap_which_the_engine_does_not_calibrate_on():
+    from cluster.sim.replica import Replica, ReplicaConfig, Seq
+    from cluster.sim.scenarios import RequestSpec
+
+    base = LinearStepCost(LinearCost(0.010, 0.0, 0.0), LinearCost(0.002, 0.0, 0.0))
+    spec = RequestSpec(0, 0, 16, 400, 400, "code", 0.5, 0.0, 1)
+    learnt = {}
+    for gap_ms, per_seq_ms in ((0.0, 0.0), (3.0, 0.0), (0.0, 1.0), (3.0, 1.0)):
+        truth = serving_cost(base, learnt={"gap_ms": gap_ms, "per_seq_ms": per_seq_ms})
+        r = Replica(ReplicaConfig(truth, [1e12], [0.0], [10.0], [0.0], believed=base))
+        r.waiting.append(Seq(spec, 0.0))
+        r.admit(0.0, 60.0)
+        now = 0.0
+        for _ in range(300):
+            seconds, decode, chunks = r.plan_step()
+            now += seconds
+            r.apply_step(now, seconds, decode, chunks)
+        assert seconds == pytest.approx(0.010 + (gap_ms + per_seq_ms) / 1e3)
+        learnt[gap_ms, per_seq_ms] = r.belief.per_seq_s
+    # the engine learns the per-sequence overhead it times, never the loop's gap
+    assert learnt[3.0, 0.0] == pytest.approx(0.0, abs=1e-9) and learnt[0.0, 0.0] == pytest.approx(0.0, abs=1e-9)
+    assert learnt[3.0, 1.0] == pytest.approx(learnt[0.0, 1.0]) and learnt[0.0, 1.0] > 0.5e-3
