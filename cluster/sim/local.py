@@ -2,16 +2,20 @@
 profile of a served family, to put beside what `specserve bench serve` measures.
 
 The replicas are built from the engines the app would start (the config's tiers, the same
-`EngineConfig`), so the step costs are the profiled table each engine reads from its cache
-(`engine/profiler.py`, the same file the serving replica used), plus what the serving target
-replica learnt on top of it (its per-sequence overhead and the draft's price factor, which
-`/health` reports and `bench serve` records); the KV budgets and bytes per token are the
-engine's. Given a bench JSON (`--bench`), it mirrors that run: its family, app config, policies,
-closed-loop users and Poisson rates, and mean max_tokens, and prints predicted against measured.
-Every policy goes through `choose_tier` with the plan bench serve selects by endpoint (standard,
-premium, economy, auto; always-adaptive asks for speculation on); the engine's adaptive k picks
-k per step. What it leaves out: HTTP, Ray and Python time between steps, and the other
-processes sharing the cores (`--overhead-ms` adds a fixed time to every step).
+`EngineConfig`, KV budgets and bytes per token), timed by the profiled table the served engines
+ran on (`bench serve` records it from `/health?profile=1`; else the engines' own, from their
+cache or profiled now) and by what the served target measured of itself in the bench's windows
+(`bench_learnt`, batch by batch): what its steps took against that profile's prices, target and
+draft parts apart, over every step of a window (`engine.metrics.ServingTimes`; from older JSON,
+the calibration's last per-sequence price and draft price factor), the loop's time between
+steps, and the serving path's time a request (HTTP, router, Ray: the callers' mean latency less
+the engine's). Given a bench JSON (`--bench`), it mirrors that run: its family, app config,
+policies, closed-loop users and Poisson rates, and lengths (max_tokens uniform around the mean,
+all emitted), and prints predicted against measured. Every policy goes through `choose_tier`
+with the plan bench serve selects by endpoint (standard, premium, economy, auto;
+always-adaptive asks for speculation on); the engine's adaptive k picks k per step, and each
+draft token is accepted with the engine's live per-token acceptance (i.i.d.). `--overhead-ms`
+adds a fixed time to every step.
 """
 
 from __future__ import annotations
@@ -193,6 +197,28 @@ def bench_path(bench: dict, policy: str, load_kind: str, load: float) -> float:
                    and float(r.get("load", -1)) == float(load)) or 0.0
 
 
+def window_level(bench: dict, learnt: dict, policy: str, load_kind: str, load: float) -> dict:
+    """`learnt` (a policy's readings batch by batch, `bench_learnt`) at the level of this
+    policy's own windows at this load: each step factor times what those windows read over
+    what the batch-by-batch curve gives at their mean batch. The machine's speed drifts
+    within a run (reference-py, session 32: the served steps took 1.2-1.6x their profile in
+    the closed-loop windows, 1.6-2.2x in the Poisson windows twenty minutes later), so the
+    curve keeps the shape across batches and the window its level."""
+    out = dict(learnt)
+    for key in ("target_factor", "draft_factor"):
+        if not learnt.get(key):
+            continue
+        curve = _ByBatch(learnt[key])
+        own = [(t[key], t.get("mean_running") or t["peak_running"]) for r in bench.get("runs", [])
+               if r["policy"] == policy and r.get("load_kind") == load_kind
+               and float(r.get("load", -1)) == float(load)
+               and (t := _target(r)).get(key) and t.get("peak_running")]
+        if own:
+            level = statistics.median(v / curve(max(1.0, n)) for v, n in own)
+            out[key] = {n: v * level for n, v in learnt[key].items()}
+    return out
+
+
 def bench_learnt(bench: dict, policy: str | None = None) -> dict:
     """What the target replica measured of itself while serving, from each window's `/health`
     readings: what its steps took against their profile's prices, target and draft parts
@@ -287,14 +313,23 @@ def run_local(args) -> int:
                          requests=max(60, 8 * int(load)) if closed else max(60, int(40 * load)),
                          plan=plan, queue_timeout_s=600,
                          path_s=0.0 if args.profile_only else bench_path(bench, policy, kind, load))
-            truth = replace(target, cost=serving_cost(target.believed, args.overhead_ms / 1000,
-                                                      learnt[policy]))
+            at = learnt[policy] if args.profile_only else window_level(bench, learnt[policy], policy, kind, load)
+            truth = replace(target, cost=serving_cost(target.believed, args.overhead_ms / 1000, at))
             r = simulate(truth, small, sim_policy, w, mix, load, args.seed, max_context=512).row()
             m = measured.get((policy, kind, load))
             rows.append({"policy": policy, "load_kind": kind, "load": load,
                          "predicted_tok_s": r["throughput_tok_s"], "predicted_p95_s": r["p95_latency_s"],
                          "measured_tok_s": m["output_tok_s"] if m else None,
-                         "measured_p95_s": m["e2e_s"]["p95"] if m else None})
+                         "measured_p95_s": m["e2e_s"]["p95"] if m else None,
+                         # the parts, to see where a latency differs
+                         "predicted": {"e2e_p50_s": r["p50_latency_s"], "ttft_p50_s": r["p50_ttft_s"],
+                                       "tpot_p50_s": r["p50_per_token_s"], "tpot_p95_s": r["p95_per_token_s"],
+                                       "acceptance_rate": r["acceptance_rate"]},
+                         "measured": {"e2e_p50_s": m["e2e_s"].get("p50"),
+                                      "ttft_p50_s": m.get("ttft_s", {}).get("p50"),
+                                      "tpot_p50_s": m.get("tpot_s", {}).get("p50"),
+                                      "tpot_p95_s": m.get("tpot_s", {}).get("p95"),
+                                      "acceptance_rate": m.get("acceptance_rate")} if m else None})
     print(table(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cluster.sim.local import (add_arguments, bench_acceptance, bench_learnt, bench_path, run_local,
-                               serving_cost)
+                               serving_cost, window_level)
 from engine.cost_model import LinearCost, LinearStepCost
 
 
@@ -177,3 +177,21 @@ def test_a_simulated_step_takes_the_loops_gap_which_the_engine_does_not_calibrat
     # the engine learns the per-sequence overhead it times, never the loop's gap
     assert learnt[3.0, 0.0] == pytest.approx(0.0, abs=1e-9) and learnt[0.0, 0.0] == pytest.approx(0.0, abs=1e-9)
     assert learnt[3.0, 1.0] == pytest.approx(learnt[0.0, 1.0]) and learnt[0.0, 1.0] > 0.5e-3
+
+
+def test_a_window_is_timed_at_its_own_level_with_the_curves_shape():
+    """The machine's speed drifts within a run: a window's prediction keeps the batch-by-batch
+    curve's shape and takes the level the window itself read at its mean batch."""
+    bench = {"runs": [
+        _window("standard", "users", 2, 2.0, 0.5, 0.4, draft_bytes=0, target_factor=1.2),
+        _window("standard", "users", 8, 8.0, 0.5, 0.4, draft_bytes=0, target_factor=1.4),
+        _window("standard", "rate", 10, 5.0, 0.5, 0.4, draft_bytes=0, target_factor=1.95)]}
+    learnt = bench_learnt(bench, "standard")["target_factor"]
+    assert learnt == {2: 1.2, 5: 1.95, 8: 1.4}
+    curve = {2: 1.2, 8: 1.4}            # as if the Poisson window had not been pooled
+    level = window_level(bench, {"target_factor": curve}, "standard", "rate", 10)
+    # the curve at batch 5 is 1.3; the window read 1.95: everything 1.5x
+    assert level["target_factor"] == {2: pytest.approx(1.8), 8: pytest.approx(2.1)}
+    same = window_level(bench, {"target_factor": curve}, "standard", "users", 8)
+    assert same["target_factor"] == {2: pytest.approx(1.2), 8: pytest.approx(1.4)}
+    assert window_level(bench, {"target_factor": curve}, "standard", "users", 4) == {"target_factor": curve}
