@@ -48,6 +48,11 @@ def add_arguments(parser) -> None:
            "(its per-sequence overhead and draft price in the bench JSON)")
 
 
+# measured requests a simulated load runs at least (open loop: bench serve's windows repeated
+# until they hold as many): the p95 of 60 moved by 10-20% from one seed to the next (users 1:
+# 0.56-0.64 s; Poisson 10: 1.17-1.47 s), as much as the check's tolerance
+SIM_REQUESTS = 2000
+
 # bench serve's policies: (the simulator's policy, the plan bench serve's endpoint selects)
 POLICY_OF = {"standard": ("auto", "standard"), "premium": ("auto", "premium"),
              "economy": ("auto", "economy"), "auto": ("auto", "auto"),
@@ -290,6 +295,7 @@ def run_local(args) -> int:
               file=sys.stderr)
         return 2
     output_tokens = int(pick(args.output_tokens, "output_tokens", 64))
+    window_s = float(given.get("duration_s", 60.0))
     spread = max(1, round(output_tokens * float(given.get("output_spread", 0.5))))
     # each policy's step times as the engine learnt them in that policy's windows, batch by
     # batch (else the medians over the run)
@@ -310,12 +316,17 @@ def run_local(args) -> int:
             w = Workload(closed_loop=closed, prompt_median=int(statistics.median(lengths)),
                          prompt_sigma=0.3, output_median=output_tokens, max_tokens=output_tokens + spread,
                          output_spread=spread / output_tokens,   # bench serve's lengths
-                         requests=max(60, 8 * int(load)) if closed else max(60, int(40 * load)),
+                         requests=max(SIM_REQUESTS, 8 * int(load)) if closed else max(1, round(window_s * load)),
                          plan=plan, queue_timeout_s=600,
                          path_s=0.0 if args.profile_only else bench_path(bench, policy, kind, load))
             at = learnt[policy] if args.profile_only else window_level(bench, learnt[policy], policy, kind, load)
             truth = replace(target, cost=serving_cost(target.believed, args.overhead_ms / 1000, at))
-            r = simulate(truth, small, sim_policy, w, mix, load, args.seed, max_context=512).row()
+            # Open loop, bench serve's window again and again (past saturation its queue is
+            # still filling when a window ends: a longer run reads a later, longer queue);
+            # closed loop, one long run (it settles within a few requests a user).
+            times = 1 if closed else -(-SIM_REQUESTS // w.requests)
+            r = pooled_row([simulate(truth, small, sim_policy, w, mix, load, args.seed * 1000 + i,
+                                     max_context=512) for i in range(times)])
             m = measured.get((policy, kind, load))
             rows.append({"policy": policy, "load_kind": kind, "load": load,
                          "predicted_tok_s": r["throughput_tok_s"], "predicted_p95_s": r["p95_latency_s"],
@@ -337,6 +348,19 @@ def run_local(args) -> int:
                                          "overhead_ms": args.overhead_ms, "learnt": learnt,
                                          "bench": str(args.bench) if args.bench else None}, indent=1))
     return 0
+
+
+def pooled_row(results: list) -> dict:
+    """One row from several simulated runs of a load: their requests and windows together."""
+    first = results[0]
+    if len(results) == 1:
+        return first.row()
+    pooled = replace(first, seqs=[s for r in results for s in r.seqs],
+                     window_s=sum(r.window_s for r in results),
+                     window_tokens=sum(r.window_tokens for r in results),
+                     window_requests=sum(r.window_requests for r in results),
+                     peak_memory_gib=max(r.peak_memory_gib for r in results))
+    return pooled.row()
 
 
 def table(rows: list[dict]) -> str:

@@ -3,6 +3,7 @@ what it learnt while serving), and a bench serve run mirrored load for load."""
 
 import argparse
 import json
+import statistics
 
 import pytest
 
@@ -195,3 +196,23 @@ def test_a_window_is_timed_at_its_own_level_with_the_curves_shape():
     same = window_level(bench, {"target_factor": curve}, "standard", "users", 8)
     assert same["target_factor"] == {2: pytest.approx(1.2), 8: pytest.approx(1.4)}
     assert window_level(bench, {"target_factor": curve}, "standard", "users", 4) == {"target_factor": curve}
+
+
+def test_repeated_windows_pool_their_requests_and_time():
+    from cluster.sim.local import pooled_row
+    from cluster.sim.replica import ReplicaConfig
+    from cluster.sim.scenarios import Workload, fixed_mix
+    from cluster.sim.simulator import simulate
+
+    base = LinearStepCost(LinearCost(0.010, 0.001, 0.0), LinearCost(0.002, 0.0, 0.0))
+    w = Workload(closed_loop=False, prompt_median=16, output_median=20, output_spread=0.5, max_tokens=30,
+                 requests=50)
+    runs = [simulate(ReplicaConfig(base, [1e12], [0.0], [10.0], [0.0]), None, "baseline", w,
+                     fixed_mix(0.5), 20.0, seed) for seed in (0, 1, 2)]
+    row = pooled_row(runs)
+    assert row["throughput_tok_s"] == pytest.approx(sum(r.window_tokens for r in runs)
+                                                    / sum(r.window_s for r in runs))
+    e2e = sorted(s.finish_s - s.arrival_s for r in runs for s in r.seqs)
+    assert row["completed"] == len(e2e) == 150
+    assert row["p95_latency_s"] == pytest.approx(statistics.quantiles(e2e, n=100, method="inclusive")[94])
+    assert pooled_row(runs[:1]) == runs[0].row()
