@@ -21,6 +21,7 @@ adds a fixed time to every step.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass, replace
@@ -224,6 +225,13 @@ def window_level(bench: dict, learnt: dict, policy: str, load_kind: str, load: f
     return out
 
 
+def _batch_class(running: float) -> int:
+    """A window's batch as the power of two nearest its mean (log scale): windows at 31.3 and
+    31.6 sequences read 2.5 and 1.8x in session 32 (the machine's speed, not the batch), and
+    keyed 31 and 32 they made a curve that fell by a quarter in one sequence."""
+    return 2 ** max(0, round(math.log2(max(running, 1.0))))
+
+
 def bench_learnt(bench: dict, policy: str | None = None) -> dict:
     """What the target replica measured of itself while serving, from each window's `/health`
     readings: what its steps took against their profile's prices, target and draft parts
@@ -233,7 +241,7 @@ def bench_learnt(bench: dict, policy: str | None = None) -> dict:
     the calibration's last readings (`per_seq_ms`, `spec_scale`). No policy: medians over the
     runs (the draft's over the runs in which every request drafted). A policy: from that
     policy's runs, as {batch size: median}, the batch the window's mean of running sequences
-    (else its peak); for a policy whose requests draft (DRAFTING), from the windows of every
+    (else its peak) to the nearest power of two; for a policy whose requests draft (DRAFTING), from the windows of every
     such policy in which the draft ran (they share one engine state). Each grows or shrinks
     with the batch (reference-py, one thread: the draft's price factor 1.1-1.3 at 1-4
     sequences, 2.0-2.5 at 16-32; notes/issue8.md, session 31)."""
@@ -254,7 +262,7 @@ def bench_learnt(bench: dict, policy: str | None = None) -> dict:
         drafted = bool(t.get("peak_kv_used_draft_bytes"))
         if policy in DRAFTING and not drafted:
             continue
-        batch = max(1, round(t.get("mean_running") or t["peak_running"]))
+        batch = _batch_class(t.get("mean_running") or t["peak_running"])
         for key, v in values(r).items():
             if v is not None and (drafted or key not in draft_keys):
                 out.setdefault(key, {}).setdefault(batch, []).append(v)
