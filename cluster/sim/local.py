@@ -21,11 +21,12 @@ adds a fixed time to every step.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from cluster.sim.served import ByBatch, bench_acceptance, bench_learnt, bench_path, window_level
 
 
 def add_arguments(parser) -> None:
@@ -58,8 +59,6 @@ SIM_REQUESTS = 2000
 POLICY_OF = {"standard": ("auto", "standard"), "premium": ("auto", "premium"),
              "economy": ("auto", "economy"), "auto": ("auto", "auto"),
              "always-adaptive": ("always-adaptive", "auto")}
-SPECULATING = ("premium", "always-adaptive")     # bench policies whose every request drafts
-DRAFTING = ("auto", *SPECULATING)                 # ... and those whose requests may draft
 
 
 @dataclass
@@ -76,23 +75,6 @@ class _Overhead:
         return self.base.draft_s(num_seqs, num_tokens, context_tokens)
 
 
-class _ByBatch:
-    """A value the served engine learnt at several batch sizes ({batch: value}), read at any
-    batch: linear between the batches seen, the nearest one's outside them."""
-
-    def __init__(self, points):
-        self.points = sorted((int(n), float(v)) for n, v in points.items())
-
-    def __call__(self, n: float) -> float:
-        pts = self.points
-        if n <= pts[0][0] or len(pts) == 1:
-            return pts[0][1]
-        for (n0, v0), (n1, v1) in zip(pts, pts[1:]):
-            if n <= n1:
-                return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
-        return pts[-1][1]
-
-
 @dataclass
 class _Learnt:
     """The served engine's step times: its profile, plus the per-sequence overhead and the
@@ -100,11 +82,11 @@ class _Learnt:
     the engine loop's time between two steps (`gap_s`; the engine does not calibrate on it)."""
 
     base: object
-    per_seq_ms: _ByBatch
-    spec_scale: _ByBatch
-    gap_ms: _ByBatch | None = None
-    target_factor: _ByBatch | None = None   # what the served steps took against the profile's
-    draft_factor: _ByBatch | None = None    #   prices (ServingTimes); given, they replace the
+    per_seq_ms: ByBatch
+    spec_scale: ByBatch
+    gap_ms: ByBatch | None = None
+    target_factor: ByBatch | None = None   # what the served steps took against the profile's
+    draft_factor: ByBatch | None = None    #   prices (ServingTimes); given, they replace the
     #   calibration's readings (per_seq_ms, spec_scale)
 
     def gap_s(self, num_seqs: int) -> float:
@@ -129,10 +111,10 @@ def serving_cost(base, overhead_s: float = 0.0, learnt: dict | None = None):
     target step."""
     learnt = learnt or {}
     points = lambda v: v if isinstance(v, dict) else {1: v}   # noqa: E731  (one number: every batch)
-    given = lambda key: _ByBatch(points(learnt[key])) if learnt.get(key) else None   # noqa: E731
+    given = lambda key: ByBatch(points(learnt[key])) if learnt.get(key) else None   # noqa: E731
     return _Learnt(_Overhead(base, overhead_s) if overhead_s else base,
-                   _ByBatch(points(learnt.get("per_seq_ms", 0.0))),
-                   _ByBatch(points(learnt.get("spec_scale", 1.0))),
+                   ByBatch(points(learnt.get("per_seq_ms", 0.0))),
+                   ByBatch(points(learnt.get("spec_scale", 1.0))),
                    given("gap_ms"), given("target_factor"), given("draft_factor"))
 
 
@@ -173,110 +155,6 @@ def build(family: str | None, config: str | None = None, overhead_s: float = 0.0
     for e in engines:
         e.shutdown() if hasattr(e, "shutdown") else None
     return reps[0], reps[1], lengths
-
-
-def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _target(run: dict) -> dict:
-    return run.get("health_peaks", {}).get("target", {})
-
-
-def _window_values(run: dict) -> dict:
-    """One window's readings of the target replica (see `bench_learnt`)."""
-    t = _target(run)
-    e2e, engine = run.get("e2e_s", {}).get("mean"), t.get("engine_request_s")
-    return {"per_seq_ms": t.get("cost_per_seq_ms"), "spec_scale": t.get("cost_spec_scale"),
-            "target_factor": t.get("target_factor"), "draft_factor": t.get("draft_factor"),
-            "gap_ms": t.get("loop_gap_ms"),
-            "path_s": max(0.0, e2e - engine) if e2e is not None and engine is not None else None}
-
-
-def bench_path(bench: dict, policy: str, load_kind: str, load: float) -> float:
-    """The serving path's time a request (HTTP, router, Ray) in the windows at this load of
-    the policy and those sharing its engine state (median; 0 where not measured)."""
-    kin = DRAFTING if policy in DRAFTING else (policy,)
-    return _median(_window_values(r)["path_s"] for r in bench.get("runs", [])
-                   if r["policy"] in kin and r.get("load_kind") == load_kind
-                   and float(r.get("load", -1)) == float(load)) or 0.0
-
-
-def window_level(bench: dict, learnt: dict, policy: str, load_kind: str, load: float) -> dict:
-    """`learnt` (a policy's readings batch by batch, `bench_learnt`) at the level of this
-    policy's own windows at this load: each step factor times what those windows read over
-    what the batch-by-batch curve gives at their mean batch. The machine's speed drifts
-    within a run (reference-py, session 32: the served steps took 1.2-1.6x their profile in
-    the closed-loop windows, 1.6-2.2x in the Poisson windows twenty minutes later), so the
-    curve keeps the shape across batches and the window its level."""
-    out = dict(learnt)
-    for key in ("target_factor", "draft_factor"):
-        if not learnt.get(key):
-            continue
-        curve = _ByBatch(learnt[key])
-        own = [(t[key], t.get("mean_running") or t["peak_running"]) for r in bench.get("runs", [])
-               if r["policy"] == policy and r.get("load_kind") == load_kind
-               and float(r.get("load", -1)) == float(load)
-               and (t := _target(r)).get(key) and t.get("peak_running")]
-        if own:
-            level = statistics.median(v / curve(max(1.0, n)) for v, n in own)
-            out[key] = {n: v * level for n, v in learnt[key].items()}
-    return out
-
-
-def _batch_class(running: float) -> int:
-    """A window's batch as the power of two nearest its mean (log scale): windows at 31.3 and
-    31.6 sequences read 2.5 and 1.8x in session 32 (the machine's speed, not the batch), and
-    keyed 31 and 32 they made a curve that fell by a quarter in one sequence."""
-    return 2 ** max(0, round(math.log2(max(running, 1.0))))
-
-
-def bench_learnt(bench: dict, policy: str | None = None) -> dict:
-    """What the target replica measured of itself while serving, from each window's `/health`
-    readings: what its steps took against their profile's prices, target and draft parts
-    (`target_factor`, `draft_factor`, over every step of the window; `ServingTimes`), its loop's
-    time between steps (`gap_ms`) and the serving path's time a request (`path_s`: the callers'
-    mean latency less the engine's mean time for a request); from JSON written before those,
-    the calibration's last readings (`per_seq_ms`, `spec_scale`). No policy: medians over the
-    runs (the draft's over the runs in which every request drafted). A policy: from that
-    policy's runs, as {batch size: median}, the batch the window's mean of running sequences
-    (else its peak) to the nearest power of two; for a policy whose requests draft (DRAFTING), from the windows of every
-    such policy in which the draft ran (they share one engine state). Each grows or shrinks
-    with the batch (reference-py, one thread: the draft's price factor 1.1-1.3 at 1-4
-    sequences, 2.0-2.5 at 16-32; notes/issue8.md, session 31)."""
-    runs = bench.get("runs", [])
-    values = _window_values
-    draft_keys = ("spec_scale", "draft_factor")
-    if policy is None:
-        out = {key: _median(values(r)[key] for r in runs
-                            if key not in draft_keys or r["policy"] in SPECULATING)
-               for key in values({})}
-        return {k: v for k, v in out.items() if v is not None}
-    out: dict[str, dict] = {}
-    kin = DRAFTING if policy in DRAFTING else (policy,)
-    for r in runs:
-        t = _target(r)
-        if r["policy"] not in kin or not t.get("peak_running"):
-            continue
-        drafted = bool(t.get("peak_kv_used_draft_bytes"))
-        if policy in DRAFTING and not drafted:
-            continue
-        batch = _batch_class(t.get("mean_running") or t["peak_running"])
-        for key, v in values(r).items():
-            if v is not None and (drafted or key not in draft_keys):
-                out.setdefault(key, {}).setdefault(batch, []).append(v)
-    return {k: {n: statistics.median(vs) for n, vs in sorted(v.items())} for k, v in out.items()}
-
-
-def bench_acceptance(bench: dict) -> float | None:
-    """The target's live per-token acceptance that /health reported in the runs in which every
-    request drafted, else in those of any policy whose requests may draft (auto) where the
-    draft ran."""
-    runs = bench.get("runs", [])
-    return (_median(_target(r).get("mean_token_acceptance") for r in runs if r["policy"] in SPECULATING)
-            or _median(_target(r).get("mean_token_acceptance") for r in runs
-                       if r["policy"] in DRAFTING and _target(r).get("peak_kv_used_draft_bytes")))
 
 
 def run_local(args) -> int:

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from cluster.sim.local import (add_arguments, bench_acceptance, bench_learnt, bench_path, run_local,
-                               serving_cost, window_level)
+from cluster.sim.local import add_arguments, run_local, serving_cost
+from cluster.sim.served import bench_acceptance, bench_learnt, bench_path, window_level
 from engine.cost_model import LinearCost, LinearStepCost
 
 
