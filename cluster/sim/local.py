@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.sim.served import ByBatch, bench_acceptance, bench_learnt, bench_path, window_level
+from engine.cost_model import step_cost_from_dict
 
 
 def add_arguments(parser) -> None:
@@ -120,7 +121,6 @@ def serving_cost(base, overhead_s: float = 0.0, learnt: dict | None = None):
 
 def _replica(engine, overhead_s: float, learnt: dict | None, profile: dict | None = None):
     from cluster.sim.replica import ReplicaConfig
-    from engine.cost_model import step_cost_from_dict
 
     stats = engine.stats()          # KV budget and bytes per token, as the engine reports them
     # the profile the served engine ran on (the bench JSON's), else this engine's (its cache)
@@ -166,6 +166,12 @@ def run_local(args) -> int:
         bench = json.loads(args.bench.read_text()) if args.bench else {}
         if not isinstance(bench, dict) or not isinstance(bench.get("results", []), list):
             raise ValueError("not a `specserve bench serve` JSON")
+        profiles = bench.get("served_profiles") or {}
+        try:
+            for profile in (profiles.values() if isinstance(profiles, dict) else [None]):
+                step_cost_from_dict(profile)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"its served_profiles are not step-cost profiles ({exc!r})") from exc
     except (OSError, ValueError) as exc:
         print(f"specserve simulate: cannot read --bench {args.bench}: {exc}", file=sys.stderr)
         return 2

@@ -113,8 +113,12 @@ def test_bad_input_is_a_message_not_a_traceback(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert run_local(parser.parse_args(["--bench", str(tmp_path / "bad.json")])) == 2
     assert run_local(parser.parse_args(["--policies", "standard,fastest"])) == 2
+    for profiles in ({"target": {"kind": "table"}}, {"target": "fast"}, ["table"]):
+        (tmp_path / "profile.json").write_text(json.dumps({"results": [], "served_profiles": profiles}))
+        assert run_local(parser.parse_args(["--bench", str(tmp_path / "profile.json")])) == 2
     err = capsys.readouterr().err
     assert "missing.json" in err and "not a `specserve bench serve` JSON" in err and "fastest" in err
+    assert err.count("served_profiles are not step-cost profiles") == 3
 
 
 def _window(policy, kind, load, mean_running, e2e_mean, engine_s, draft_bytes=1, **target):
