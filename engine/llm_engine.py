@@ -31,8 +31,7 @@ from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
 from engine.spec_decode import StepResult, StepTimes, step
-from models.llama import LlamaForward
-from models.loader import check_compatible, load_model
+from models.loader import check_compatible, load_served
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +44,20 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.target_model = load_model(config.target, config.dtype, config.device)
-        self.tokenizer = self.target_model.tokenizer
-        self.draft_model = None
-        if config.draft:
-            self.draft_model = load_model(config.draft, config.dtype, config.device)
-            check_compatible(self.target_model, self.draft_model)
         tp = config.tp_size
         if tp > 1 and (peers is None or not config.kv_budget_bytes):
             raise ValueError("tp_size > 1 needs the other ranks (peers) and an explicit "
                              "kv_budget_bytes, the same on every rank")
-        self.target_fw = LlamaForward(self.target_model.model, rank=0, world=tp,
-                                      all_reduce=getattr(peers, "all_reduce", None))
-        self.draft_fw = LlamaForward(self.draft_model.model) if self.draft_model else None
+        # Rank 0's shard of the target (every rank reads only its own), and the whole draft.
+        self.target_model = load_served(config.target, config.dtype, config.device, rank=0,
+                                        world=tp, all_reduce=getattr(peers, "all_reduce", None))
+        self.tokenizer = self.target_model.tokenizer
+        self.draft_model = None
+        if config.draft:
+            self.draft_model = load_served(config.draft, config.dtype, config.device)
+            check_compatible(self.target_model, self.draft_model)
+        self.target_fw = self.target_model.forward
+        self.draft_fw = self.draft_model.forward if self.draft_model else None
         t, d = self.target_fw.shape, self.draft_fw.shape if self.draft_fw else None
         budget = config.kv_budget_bytes or kv_budget_bytes(config, self._weight_bytes())
         self.pool = BlockPool(budget, (t.num_layers, t.num_kv_heads, t.head_dim), config.block_size,
@@ -280,8 +280,7 @@ class LLMEngine:
 
     def _append_until_stop(self, seq: Sequence, tokens: list[int]):
         p = seq.params
-        eos = self.target_model.config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None and not p.ignore_eos else set()
+        eos = set() if p.ignore_eos else set(self.target_model.eos_token_ids)
         stop_ids = eos | set(p.stop_token_ids)
         new = []
         for t in tokens:
@@ -318,9 +317,9 @@ class LLMEngine:
         """Load and check a new draft, without touching the running one (slow: do it outside
         the step lock). Refused: another vocabulary or tokenizer, or another KV shape (the pool
         is laid out for the current draft's layers, KV heads and head size)."""
-        new = load_model(path, self.config.dtype, self.config.device)
+        new = load_served(path, self.config.dtype, self.config.device)
         check_compatible(self.target_model, new)
-        forward = LlamaForward(new.model)
+        forward = new.forward
         old = self.draft_fw.shape if self.draft_fw else None
         s = forward.shape
         if old is None or (s.num_layers, s.num_kv_heads, s.head_dim) != (old.num_layers, old.num_kv_heads, old.head_dim):

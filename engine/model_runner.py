@@ -51,7 +51,7 @@ class ModelRunner:
         dtype, d = self.layers[0][0].dtype, self.layers[0][0].shape[-1]
         if not (cpu_attention.build(dtype, d) and cpu_ops.build(dtype)):
             self.fused = False                       # cannot build them here: gather + SDPA
-        self.forward.cpu_ops = self.fused
+        self.forward.ops = cpu_ops if self.fused else None
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],

@@ -22,8 +22,7 @@ import torch.distributed as dist
 from engine.attention import SeqSlice
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
-from models.llama import LlamaForward
-from models.loader import load_model
+from models.loader import load_served
 
 COLLECTIVE_TIMEOUT_S = 30
 
@@ -49,10 +48,9 @@ class TPWorker:
                  device: str, num_threads: int = 1, attention: str = "fused"):
         torch.set_num_threads(num_threads)
         all_reduce = init_tp(rank, world, init_method, device)
-        model = load_model(target, dtype, device)
-        self.forward = LlamaForward(model.model, rank, world, all_reduce)
+        self.forward = load_served(target, dtype, device, rank, world, all_reduce,
+                                   tokenizer=False).forward
         self.device, self.attention = device, attention
-        del model
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
 
@@ -86,7 +84,11 @@ class TPWorker:
 
 
 def _serve(conn, kwargs) -> None:
-    worker = TPWorker(**kwargs)
+    try:
+        worker = TPWorker(**kwargs)
+    except Exception as e:                   # rank 0 raises it instead of waiting for "ready"
+        conn.send(RuntimeError(f"rank {kwargs['rank']} failed to start: {type(e).__name__}: {e}"))
+        return
     conn.send("ready")
     while True:
         msg = conn.recv()
@@ -118,11 +120,15 @@ class LocalPeers:
                           dtype=dtype, device=device, attention=attention)
             proc = ctx.Process(target=_serve, args=(child, kwargs), daemon=True)
             proc.start()
+            child.close()          # the child's end lives in the child: its death is our EOF
             self.conns.append(parent)
             self.procs.append(proc)
         self.all_reduce = init_tp(0, world, self.init_method, device)
         for c in self.conns:
-            assert c.recv() == "ready"
+            answer = c.recv()
+            if answer != "ready":
+                self.close()
+                raise answer if isinstance(answer, Exception) else RuntimeError(answer)
 
     def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
         for c in self.conns:
@@ -143,7 +149,10 @@ class LocalPeers:
 
     def close(self) -> None:
         for c in self.conns:
-            c.send(None)
+            try:
+                c.send(None)
+            except OSError:                  # that rank is gone already
+                pass
         for p in self.procs:
             p.join(timeout=10)
         if dist.is_initialized():

@@ -1,7 +1,9 @@
 """Load causal LMs from local Hugging Face folders, and count their bytes.
 
-Owns: reading a checkpoint folder (config, safetensors, tokenizer) into an `nn.Module` with a
-chosen dtype and device; refusing bad inputs (missing or corrupt files, an unusable dtype, a draft
+Owns: reading a checkpoint folder (config, safetensors, tokenizer) for serving, as one rank's
+shard run by our own forward (`load_served`, `ServedModel`), or whole into a transformers
+`nn.Module` for training and reference checks (`load_model`), in a chosen dtype and device;
+the stop tokens a checkpoint declares; refusing bad inputs (missing or corrupt files, an unusable dtype, a draft
 whose vocabulary differs from its target's) before anything runs; weight bytes and KV-cache bytes
 per token, which the engine's memory budget uses. Does not own: inference (see `engine/`), nor
 downloads: every path is a local folder, and the hub is never contacted.
@@ -179,6 +181,76 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
                        num_params=sum(p.numel() for p in model.parameters()),
                        weight_bytes=weight_bytes(model),
                        kv_bytes_per_token=kv_bytes_per_token(config, torch_dtype))
+
+
+def eos_token_ids(path: str | Path, config) -> tuple[int, ...]:
+    """The ids that end generation, as transformers' `generate` reads them: the folder's
+    `generation_config.json` where it names them (Llama-3 Instruct lists both <|end_of_text|>
+    and <|eot_id|> there), else the model config's."""
+    eos = None
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{gen} is not valid JSON: {exc}") from exc
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+@dataclass
+class ServedModel:
+    """One rank's shard of a checkpoint, ready to run (`forward`), and what serving reads of it."""
+    path: Path
+    forward: object                 # models.llama.LlamaForward
+    tokenizer: object | None        # rank 0 only (None on other ranks or without one)
+    config: object
+    dtype: torch.dtype
+    device: torch.device
+    num_params: int                 # of the whole checkpoint
+    weight_bytes: int               # this rank's, as served
+    kv_bytes_per_token: int         # the whole model's (every rank's KV heads)
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.get_text_config().vocab_size
+
+
+def load_served(path: str | Path, dtype: str | torch.dtype = "auto",
+                device: str | torch.device = "cpu", rank: int = 0, world: int = 1,
+                all_reduce=None, tokenizer: bool = True) -> ServedModel:
+    """Rank `rank` of `world`'s shard of a safetensors checkpoint, read tensor by tensor
+    straight into `dtype` on `device` (`models/llama.py`, `LlamaForward.load`): no process
+    holds more than its shard plus the one tensor being read. Checked first like `load_model`."""
+    from transformers import AutoConfig
+
+    from models.checkpoint import Checkpoint, CheckpointError
+    from models.llama import LlamaForward
+
+    path = Path(path).expanduser().resolve()
+    _check_folder(path)
+    torch_dtype = resolve_dtype(dtype, device)
+    check_dtype_on_device(torch_dtype, device)
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+        ckpt = Checkpoint(path)
+        forward = LlamaForward.load(path, torch_dtype, device, rank, world, all_reduce, config)
+    except CheckpointError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    except (OSError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
+    num_params = sum(t.nbytes // torch.empty((), dtype=t.dtype).element_size()
+                     for t in ckpt.tensors.values())
+    return ServedModel(path=path, forward=forward,
+                       tokenizer=load_tokenizer(path) if tokenizer else None, config=config,
+                       dtype=torch_dtype, device=torch.device(device), num_params=num_params,
+                       weight_bytes=forward.weight_bytes(),
+                       kv_bytes_per_token=kv_bytes_per_token(config, torch_dtype),
+                       eos_token_ids=eos_token_ids(path, config))
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel, role: str = "draft") -> None:

@@ -7,6 +7,7 @@ Greedy decoding, prompts cut from held-out code. Imports no Ray (the GPU box has
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -96,9 +97,22 @@ class Bench:
                                              device=args.device, num_threads=args.threads, **extra,
                                              kv_budget_bytes=1 << 30, max_num_seqs=64,
                                              max_num_batched_tokens=2048))
-        self.hf_target = self.engine.target_model.model
-        self.hf_draft = self.engine.draft_model.model
         self.tok = self.engine.tokenizer
+
+    @functools.cached_property
+    def hf_target(self):
+        """transformers' own model of the target (the reference runs), loaded when first used."""
+        from models.loader import load_model
+
+        return load_model(self.engine.target_model.path, self.engine.target_model.dtype,
+                          self.args.device).model
+
+    @functools.cached_property
+    def hf_draft(self):
+        from models.loader import load_model
+
+        return load_model(self.engine.draft_model.path, self.engine.draft_model.dtype,
+                          self.args.device).model
 
     # ---- engine -----------------------------------------------------------------------------
     def engine_run(self, prompts, mode: str, k: int, adaptive: bool):

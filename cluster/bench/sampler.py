@@ -35,7 +35,8 @@ def add_arguments(p) -> None:
 
 
 @torch.no_grad()
-def teacher_forced(engine, windows: list[list[int]], temperature: float, samples: int) -> dict:
+def teacher_forced(models: tuple, windows: list[list[int]], temperature: float, samples: int) -> dict:
+    """models: the target's and the draft's transformers modules (their full distributions)."""
     from engine.coupled_sampler import coupled_sample
     from engine.sampler import RowParams, probabilities
     from engine.sampling_params import SamplingParams
@@ -45,8 +46,8 @@ def teacher_forced(engine, windows: list[list[int]], temperature: float, samples
         x = torch.tensor([ids])
         n = len(ids)
         params = RowParams.build([SamplingParams(temperature=temperature)] * n, [None] * n, "cpu")
-        p = probabilities(engine.target_model.model(x).logits[0].float(), params)
-        q = probabilities(engine.draft_model.model(x).logits[0].float(), params)
+        p = probabilities(models[0](x).logits[0].float(), params)
+        q = probabilities(models[1](x).logits[0].float(), params)
         rejection += torch.minimum(p, q).sum(-1).sum().item()
         for s in range(samples):
             seeds, pos = [1000 + s] * n, list(range(n))
@@ -85,18 +86,20 @@ def run(args) -> int:
     from cluster.bench.engine import _prompts
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
+    from models.loader import load_model
 
     torch.set_num_threads(min(2, args.threads))
     fam = Path(args.family)
     engine = LLMEngine(EngineConfig(str(fam / "target"), str(fam / "draft"), num_threads=args.threads,
                                     kv_budget_bytes=1 << 28, adaptive_k=False, profile=False))
     tok = engine.tokenizer
+    hf = tuple(load_model(m.path, m.dtype).model for m in (engine.target_model, engine.draft_model))
     windows = _prompts(tok, fam, args.windows, args.window_tokens, seed=1)
     prompts = _prompts(tok, fam, args.prompts, args.prompt_tokens, seed=2)
     results = {"family": str(fam), "k": args.k, "new_tokens": args.new_tokens,
                "noise_samples": args.noise_samples, "temperatures": {}}
     for t in (float(x) for x in args.temperatures.split(",")):
-        row = {"teacher_forced": teacher_forced(engine, windows, t, args.noise_samples),
+        row = {"teacher_forced": teacher_forced(hf, windows, t, args.noise_samples),
                "generation_coupled": in_generation(engine, prompts, t, args.k, args.new_tokens, True),
                "generation_rejection": in_generation(engine, prompts, t, args.k, args.new_tokens,
                                                      False)}

@@ -11,7 +11,7 @@ from models.loader import load_model
 
 def _setup(path):
     m = load_model(path)
-    fw = LlamaForward(m.model)
+    fw = LlamaForward.from_module(m.model)
     s = fw.shape
     pool = BlockPool(4 << 20, (s.num_layers, s.num_kv_heads, s.head_dim), 4, torch.float32, "cpu")
     return m, fw, pool, pool.layers(pool.target), s.head_dim ** -0.5
@@ -22,7 +22,9 @@ def test_prefill_then_ragged_decode_matches_transformers(tiny_family, fused):
     """Gather + SDPA and eager ops, and the C++ kernels (attention for decode/verify groups, the
     KV write, the elementwise steps) give the same logits."""
     m, fw, pool, view, scale = _setup(tiny_family["target"])
-    fw.cpu_ops = fused
+    from engine import cpu_ops
+
+    fw.ops = cpu_ops if fused else None
     torch.manual_seed(0)
     ids = torch.randint(1, 300, (3, 13))
     with torch.no_grad():
@@ -56,7 +58,7 @@ def test_prefill_then_ragged_decode_matches_transformers(tiny_family, fused):
 def test_draft_view_shares_the_pool(tiny_family):
     d = load_model(tiny_family["draft"])
     t = load_model(tiny_family["target"])
-    ft, fd = LlamaForward(t.model), LlamaForward(d.model)
+    ft, fd = LlamaForward.from_module(t.model), LlamaForward.from_module(d.model)
     st, sd = ft.shape, fd.shape
     pool = BlockPool(1 << 20, (st.num_layers, st.num_kv_heads, st.head_dim), 16, torch.float32, "cpu",
                      (sd.num_layers, sd.num_kv_heads, sd.head_dim))
@@ -100,7 +102,7 @@ def test_the_fused_kernel_never_compiles_while_serving(tiny_family):
 def test_projection_row_counts_are_bucketed_with_little_padding():
     """oneDNN builds a kernel per row count (~0.75 ms): above EXACT_ROWS the forward pads to one
     of 8 counts an octave, never more than 12.5%, so a model meets ~72 counts up to 2048."""
-    from models.llama import EXACT_ROWS, onednn_rows
+    from models.cpu_linear import EXACT_ROWS, onednn_rows
     counts = [onednn_rows(m) for m in range(1, 2049)]
     assert counts[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
     assert all(c >= m and c - m <= m / 8 for m, c in enumerate(counts, 1))
@@ -124,7 +126,7 @@ def test_projections_give_each_row_what_it_gets_alone(wide_mlp, dtype):
     has the bits it gets alone: what greedy speculative decoding equal to plain decoding rests
     on (a verify forward has n x (k + 1) rows, a decode n). Calling oneDNN at every row count,
     the 864-wide down projection in bfloat16 gave other bits at 36-288 rows."""
-    fw = LlamaForward(load_model(wide_mlp, dtype=dtype).model)
+    fw = LlamaForward.from_module(load_model(wide_mlp, dtype=dtype).model)
     if fw.kernel != "onednn":
         pytest.skip("oneDNN projections only")
     layer = fw.layers[0]
@@ -144,12 +146,12 @@ def test_projections_give_each_row_what_it_gets_alone(wide_mlp, dtype):
 def test_a_row_plan_keeps_its_calls_to_row_counts_that_are_built_and_exact(wide_mlp):
     """No projection at up to 2048 rows (the LM head 512) calls oneDNN at a row count its plan
     did not try and find exact (each new one also builds a kernel mid-step: ~0.75 ms)."""
-    from models.llama import onednn_rows
-    fw = LlamaForward(load_model(wide_mlp, dtype=torch.bfloat16).model)
+    from models.cpu_linear import onednn_rows
+    fw = LlamaForward.from_module(load_model(wide_mlp, dtype=torch.bfloat16).model)
     if fw.kernel != "onednn":
         pytest.skip("oneDNN projections only")
-    calls, onednn = [], fw._onednn
-    fw._onednn = lambda x, w, b, m: calls.append((m, tuple(w.shape))) or onednn(x, w, b, m)
+    calls, onednn = [], fw.linear._onednn
+    fw.linear._onednn = lambda x, w, b, m: calls.append((m, tuple(w.shape))) or onednn(x, w, b, m)
     layer = fw.layers[0]
     for weight, bias, top in ((layer.qkv, layer.qkv_bias, 2048), (layer.down, layer.down_bias, 2048),
                               (fw.lm_head, None, 512)):
