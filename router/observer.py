@@ -13,7 +13,7 @@ simulator's policy sees exactly what a live router could see, never the simulato
                                             will meet a new request
 
 Pure Python: no torch, no Ray. Decides nothing (that is `router/policy.py`) and does not price
-anything (that is `router/pricing.py` and `router/accounting.py`).
+anything (that is `router/billing.py` and `router/accounting.py`).
 """
 
 from __future__ import annotations

@@ -1,41 +1,16 @@
-"""Prices and plans: what a request costs on the tier that served it, and which plans may use
-which pricing endpoint.
+"""Plans: which plans may use which pricing endpoint, and which may ask for speculation.
 
-Owns the price arithmetic (USD per million prompt and completion tokens, per tier, from the
-config's price table) and plan coverage (`/premium/v1/...`, `/standard/v1/...`,
-`/economy/v1/...` beside `/v1/...`, which uses the key's own plan). Does not own the tier
-choice (`router/policy.py`) nor key storage (`router/keys.py`). Pure Python.
+Owns plan coverage (`/premium/v1/...`, `/standard/v1/...`, `/economy/v1/...` beside
+`/v1/...`, which uses the key's own plan) and the plan a request runs under. Does not own
+money (`router/billing.py`: prices in integer micro-dollars), the tier choice
+(`router/policy.py`) nor key storage (`router/keys.py`). Pure Python.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 # Plans in price order. A key's plan covers its own endpoint and the cheaper ones; an `auto`
 # key (the router picks the tier and the price follows) covers every endpoint.
 PLAN_RANK = {"economy": 0, "standard": 1, "premium": 2, "auto": 3}
-
-
-@dataclass(frozen=True)
-class Price:
-    prompt_per_1m: float
-    completion_per_1m: float
-
-
-@dataclass
-class PriceTable:
-    prices: dict[str, Price]     # tier -> price
-
-    @classmethod
-    def from_config(cls, prices: dict) -> "PriceTable":
-        return cls({tier: Price(float(p.prompt_per_1m), float(p.completion_per_1m))
-                    for tier, p in prices.items()})
-
-    def price_usd(self, tier: str, prompt_tokens: int, completion_tokens: int) -> float:
-        """USD for one request, rounded to a millionth of a cent."""
-        price = self.prices[tier]
-        usd = (prompt_tokens * price.prompt_per_1m + completion_tokens * price.completion_per_1m) / 1e6
-        return round(usd, 8)
 
 
 def plan_covers(key_plan: str, endpoint_plan: str) -> bool:
