@@ -1,6 +1,6 @@
 """Price by what ran, in integer micro-dollars, and the usage block that shows it.
 
-The rule (one, documented in the README and docs/decisions/0013-price-by-what-ran.md):
+The rule (one, documented in the README and docs/decisions/0018-price-by-what-ran.md):
 - the small tier: prompt and completion tokens at the small prices;
 - the target (speculative and baseline modes of the same replicas): completion tokens the
   engine emitted while the sequence was in speculative mode at the speculative completion
