@@ -31,8 +31,8 @@ def test_local_yaml_loads_with_the_demo_family(tmp_path):
 
 def test_relative_demo_dir_is_taken_from_the_working_directory(tmp_path, monkeypatch):
     """The README's `SPECSERVE_DEMO_DIR=../shared/models/reference-py specserve up --config
-    cluster/configs/bench-http.yaml`: the folder was resolved from the config's folder, so the
-    replicas looked for cluster/shared/models/... and every tier failed to load."""
+    cluster/configs/bench-http.yaml`: resolved from the config's folder instead, the replicas
+    would look for cluster/shared/models/... and every tier would fail to load."""
     from models.demo import default_demo_dir
 
     monkeypatch.chdir(tmp_path)
@@ -60,9 +60,10 @@ def test_llama2_70b_yaml_loads():
 @pytest.mark.parametrize("name", ["local.yaml", "bench-http.yaml", "llama2-70b-4xa100.yaml"])
 def test_a_replica_takes_all_its_engine_holds(name, tmp_path):
     """Past saturation the engine's own queue holds the backlog and refuses beyond it: a Serve
-    replica bound below the engine's filled first, and the rest waited at the caller's handle,
-    whose router polled the full replica (served tokens halved at Poisson 16, session 26). So a
-    tier's Serve options take every request its engine runs and queues, plus some in transit."""
+    replica bound below the engine's would fill first, and the rest wait at the caller's
+    handle, whose router polls the full replica
+    (docs/decisions/0015-replica-takes-what-its-engine-holds.md). So a tier's Serve options
+    take every request its engine runs and queues, plus some in transit."""
     from deployments.app import _tier_options
 
     cfg = load_config(CONFIGS / name, demo_dir=tmp_path)
