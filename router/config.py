@@ -112,7 +112,8 @@ class TierModelConfig(_Strict):
 
 
 class TierPrice(_Strict):
-    """USD per million tokens."""
+    """USD per million tokens, that is micro-dollars per token: `router/billing.py` reads them
+    exactly (as decimals) and prices a request in integer micro-dollars."""
     prompt_per_1m: float = Field(ge=0)
     completion_per_1m: float = Field(ge=0)
 
