@@ -61,9 +61,10 @@ def test_speculation_on_needs_a_plan_that_pays_for_it(plan, allowed):
 
 
 def test_default_prices_rank_the_tiers_and_read_as_micro_dollars_per_token():
-    assert price_micro_usd(PRICES, RunCounts("speculative", 1_000_000, 0, 0)) == 3_000_000
-    small, baseline, spec = (price_micro_usd(PRICES, RunCounts(t, 100, 100, 100))
-                             for t in ("small", "baseline", "speculative"))
+    assert price_micro_usd(PRICES, RunCounts("baseline", 1_000_000, 0)) == 1_000_000
+    assert price_micro_usd(PRICES, RunCounts("speculative", 1_000_000, 1, 1)) == 3_000_015
+    small, baseline, spec = (price_micro_usd(PRICES, RunCounts(t, 100, 100, n))
+                             for t, n in (("small", 0), ("baseline", 0), ("speculative", 100)))
     assert small < baseline < spec
 
 
