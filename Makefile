@@ -8,8 +8,8 @@ setup:
 run: setup
 	.venv/bin/specserve up
 
-# PYTHONFAULTHANDLER: a crash after the tests (one run in session 22 segfaulted at interpreter
-# exit, after every test had passed) prints every thread's stack.
+# PYTHONFAULTHANDLER: a crash after the tests (a segfault at interpreter exit, after every test
+# has passed) prints every thread's stack.
 test: setup
 	PYTHONFAULTHANDLER=1 .venv/bin/python -m pytest -q
 

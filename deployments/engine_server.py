@@ -101,7 +101,7 @@ class EngineServer:
         least-loaded routing skips this replica at once until Serve replaces it). Asked in a
         thread: the engine process answers between two steps, and Serve runs this on the
         replica's event loop (with user code on its main loop, `cluster/launch/ray_local.py`,
-        a blocking call here stalled every stream of the replica for up to a step)."""
+        a blocking call here would stall every stream of the replica for up to a step)."""
         return await asyncio.to_thread(self.engine.stats)
 
     async def stats(self) -> dict:
@@ -118,8 +118,8 @@ class EngineServer:
 
     async def swap_draft(self, path: str | None = None, rollback: bool = False) -> dict:
         """Swap the colocated draft in place, between two engine steps (requests keep running;
-        see notes/issue12.md for why not a Serve rolling update). The drafts it replaced are kept
-        as a stack: `rollback=True` returns to the previous one."""
+        docs/decisions/0020-aligned-drafts.md says why not a Serve rolling update). The drafts it
+        replaced are kept as a stack: `rollback=True` returns to the previous one."""
         history = self.__dict__.setdefault("draft_history", [])
         current = self.engine.draft_path
         if current is None:

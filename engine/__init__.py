@@ -8,23 +8,19 @@ and the simulator without pulling torch.
 import os
 import time
 
-# How idle OpenMP threads wait, chosen before torch loads OpenMP (libgomp reads it once).
-# Measured on this project's 2-core machine, reference-py, 2 threads, one decode step:
-# - cores shared with busy processes: spinning threads stall the step 6-30x (batch 4: 138-583 ms
-#   against 19-22 ms sleeping, load average ~11 on 2 cores), so they must sleep (PASSIVE);
-# - cores free: sleeping costs a futex wake-up per parallel region, ~500 regions a step; a
-#   bounded spin (SPIN_COUNT iterations, well under a millisecond, then sleep) made the step
-#   1.2-1.5x faster (batch 1: 18-20 -> 11-16 ms; batch 32: 67-76 -> 45-62 ms).
+# How idle OpenMP threads wait, chosen before torch loads OpenMP (libgomp reads it once):
+# - cores shared with busy processes: spinning threads steal the cores the step needs, so they
+#   must sleep (PASSIVE);
+# - cores free: sleeping costs a futex wake-up per parallel region, ~500 regions a step, so a
+#   bounded spin (SPIN_COUNT iterations, well under a millisecond, then sleep) is faster.
 # So: spin briefly when the cores are free when the process starts (sampled over 50 ms), sleep
-# when they are not.
+# when they are not (figures: docs/decisions/0006-openmp-wait-policy.md).
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment always win. Ray replicas sharing a node's
 # cores get PASSIVE from their runtime environment (deployments/app.py).
 SPIN_COUNT = 100_000
 # A tier's `openmp_wait: brief` (Serve replicas): spin this long (tens of microseconds) then
 # sleep. The gaps between one forward's parallel regions are shorter, so a step runs at nearly
-# the spinning speed, and an idle replica sleeps at once. Measured (reference-py, bf16, 2
-# threads, fused attention, quiet machine): decode step at batch 4 / 32: 9.8 / 18.8 ms passive,
-# 4.4 / 14.0 brief, 4.5 / 13.5 spin (100,000), 5.7 / 17.8 at 1,000.
+# the spinning speed, and an idle replica sleeps at once (docs/decisions/0006-openmp-wait-policy.md).
 BRIEF_SPIN_COUNT = 10_000
 OMP_DEFAULTED: dict[str, str] = {}
 

@@ -11,11 +11,11 @@ goes on; if the loop itself dies, every stream gets `EngineDeadError` and `is_al
 
 New requests and aborts never wait for a step: they go into an inbox that the step thread (or
 any other holder of the engine lock) drains before it touches the engine, so the event loop is
-never blocked behind a forward pass, and a new prompt joins the very next step. (They used to
-take the engine lock themselves; the step thread re-took it right after releasing it, so under
-load an `add_request` could wait several steps with the whole event loop blocked: time to first
-token grew with the number of streams.) Stats readers take the lock, and the step thread yields
-it to them between steps.
+never blocked behind a forward pass, and a new prompt joins the very next step. (Were they to
+take the engine lock themselves, the step thread would re-take it right after releasing it, so
+under load an `add_request` could wait several steps with the whole event loop blocked, and
+time to first token would grow with the number of streams.) Stats readers take the lock, and
+the step thread yields it to them between steps.
 """
 
 from __future__ import annotations

@@ -6,10 +6,8 @@ layer makes. Does not own: the model math (`models/llama.py`) or block allocatio
 (`engine/kv_cache.py`).
 
 The pool is plane-major (`BlockPool.layers`): one layer's keys of all blocks are one array, so
-a sequence's consecutive blocks are one contiguous run that attention streams (the token-major
-layout before the block-major one scattered every token's row across all layers, ~1.5x slower;
-block-major cut a layer's keys into 10 KB runs 245 KB apart, ~1.13x slower per decode step at
-batch 32).
+a sequence's consecutive blocks are one contiguous run that attention streams
+(docs/decisions/0002-kv-pool-layout.md).
 
 Queries arrive flat, `[num_tokens, num_heads, head_dim]`, sequence after sequence. Sequences are
 grouped by how many query tokens they bring (decode: 1; verify: 2..VERIFY_MAX; prefill chunks:
@@ -31,7 +29,7 @@ work by the number of queries and keys, so its rows move at the 1e-7 level with 
 batch-mates. Greedy speculative output equals plain decoding token for token only when a token
 verified among k others gets exactly what decoding it alone gives: with the fused kernel it
 does, in both dtypes (tests); with SDPA it holds in float32 only as long as no 1e-7 move meets
-a near-tie, and in bfloat16 a move that flips a rounding did (reference-py, batch 4-32).
+a near-tie, and in bfloat16 such moves flip roundings (docs/decisions/0004-cpu-kernels.md).
 """
 
 from __future__ import annotations
@@ -71,11 +69,10 @@ class _Gathers:
     def _gather(self, cache: torch.Tensor, workspace: dict | None, name: str,
                 compute: torch.dtype) -> torch.Tensor:
         """cache [num_blocks, chunks, tokens_per_chunk, kv_heads, d] -> [b, kv_heads, lk, d] in
-        `compute`: whole blocks copied into a reused buffer (a fresh one per layer costs page
-        faults: 2.7 against 1.45 ms a gather at batch 32); in another dtype, then converted,
-        whole blocks in their layout, into a second reused buffer (converting into the
-        transposed layout SDPA reads contiguously cost ~1.4x the time, and SDPA runs as fast on
-        the strided view)."""
+        `compute`: whole blocks copied into a reused buffer (a fresh one per layer would fault
+        its pages in at every gather); in another dtype, then converted, whole blocks in their
+        layout, into a second reused buffer (converting into the transposed layout SDPA reads
+        contiguously costs more, and SDPA runs as fast on the strided view)."""
         n = self.blocks.numel()
         shape = (n, *cache.shape[1:])
         g = torch.index_select(cache, 0, self.blocks.flatten(),
@@ -178,10 +175,8 @@ class _Prefill(_Gathers):
     piece is the same call on the same inputs however the prompt was chunked and whatever ran
     beside it: a prompt's KV is the same bits under any load (tests/engine/
     test_prefill_cuts.py). SDPA's rows move with its number of queries and keys, so a chunk
-    attended in one call would not be: a prompt whose last 16 tokens were a chunk of their own
-    in one run (the fused kernel's, then) and part of a longer one in another had other KV bits
-    from its second layer on, and a near-tie 35 tokens later gave another greedy token
-    (reference-py-deep, batch 32; notes/issue10.md, session 12)."""
+    attended in one call would not be: the same prompt cut elsewhere gets other KV bits, and a
+    near-tie later gives another greedy token (docs/decisions/0007-prefill-alignment.md)."""
 
     def __init__(self, s: SeqSlice, start: int, tpb: int, device):
         first, end, align = s.num_cached, s.num_cached + s.num_query, s.prefill_align
@@ -269,8 +264,7 @@ class PagedAttention:
         # a token verified in a speculative step gets exactly what decoding it alone gives, and
         # greedy speculative output equals plain decoding in bfloat16 too. SDPA's rows (and
         # torch's CPU matmuls) move with the batch shape (1e-7 in float32; in bfloat16 that
-        # flips a rounding, and a trained model's near-tie: the reference-py family lost
-        # greedy identity at batch 4-32 with SDPA).
+        # flips a rounding, and then a trained model's near-tie: docs/decisions/0004-cpu-kernels.md).
         self.groups = prefills
         for g in filter(None, groups):
             if _group_of(seqs[g[0]].num_query) == 2 and len(g) > 1:
@@ -283,10 +277,10 @@ class PagedAttention:
             decode_or_verify = _group_of(seqs[g[0]].num_query) < 2
             self.groups.append(_Group(g, seqs, starts, tpb, device, fused and decode_or_verify))
         # Reduced precision on CPU: the SDPA path computes in float32 (keys and values converted
-        # as they are gathered), its output rounded back: torch's CPU SDPA in bfloat16 ran 3-5x
-        # slower than in float32 on decode and verify shapes here (batch 32, one query, ~200
-        # keys: 1.5 ms against 0.5 ms with the conversion; AMD EPYC with AVX512-BF16), and
-        # float32 scores are the more exact. CUDA keeps the pool's dtype.
+        # as they are gathered), its output rounded back: torch's CPU SDPA in bfloat16 runs
+        # several times slower than in float32 on decode and verify shapes, conversion included
+        # (docs/decisions/0004-cpu-kernels.md), and float32 scores are the more exact. CUDA
+        # keeps the pool's dtype.
         self.compute = (torch.float32 if device.type == "cpu" and k_cache.dtype != torch.float32
                         else k_cache.dtype)
         offsets = torch.tensor(offsets, dtype=torch.long, device=device)

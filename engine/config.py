@@ -22,7 +22,8 @@ class EngineConfig:
                                          # fused kernel (engine/cpu_attention.py), bitwise the
                                          # same whatever the batch: greedy speculative output
                                          # equals plain decoding in bfloat16 too; "sdpa": gather
-                                         # + SDPA everywhere (CUDA always). notes/issue10.md
+                                         # + SDPA everywhere (CUDA always).
+                                         # docs/decisions/0004-cpu-kernels.md
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget
     kv_resident: bool = False            # write the whole KV pool at start, so no served step
@@ -38,16 +39,15 @@ class EngineConfig:
                                          # decodes and drafts in it), "no_draft" (decodes, no
                                          # draft rounds) or "alone" (prompts in a step of their
                                          # own): time to first token against throughput,
-                                         # engine/scheduler.py and notes/issue10.md
+                                         # docs/decisions/0008-prefill-mode.md
     prefill_align: int | None = None     # prompts are cut into chunks only at multiples of
                                          # this (or their end) and attended in pieces of it, so
                                          # a prompt's KV is the same bits under any load
                                          # (engine/attention.py, `_Prefill`); None: 64, or a
                                          # quarter of a smaller token budget (a prompt waits
                                          # while the step's decodes leave less than one piece).
-                                         # Prefill of 32 prompts of 128 tokens took 1.22x the
-                                         # one-call-a-chunk time in pieces of 16, 1.07x in
-                                         # pieces of 32, 1.01x in pieces of 64 (notes/issue10.md)
+                                         # 64 costs prefill ~1% over one call a chunk:
+                                         # docs/decisions/0007-prefill-alignment.md
     num_threads: int | None = None       # torch threads; None: min(2, free cores)
     tp_size: int = 1
     profile: bool = True                 # measure the step-cost model at start (cached)

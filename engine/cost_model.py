@@ -3,7 +3,7 @@
 The one cost model the engine, the router policy and the capacity simulator share. Pure Python:
 no torch, no Ray, no numpy, so `import engine.cost_model` is cheap everywhere.
 
-Vocabulary (DESIGN.md): a *step* is one target forward over a batch, preceded by up to k draft
+Vocabulary (docs/architecture.md): a *step* is one target forward over a batch, preceded by up to k draft
 rounds. A cost model answers two questions, both in seconds:
   target_s(num_seqs, num_tokens, context_tokens)  one target forward over num_seqs sequences
       carrying num_tokens query tokens in total and reading context_tokens KV tokens in total;
@@ -166,15 +166,13 @@ PER_SEQ_PRIOR = 32.0       # ... draft_excess: per_seq_s's prior of 0, weighted 
 SCALE_RELAX = 0.02         # ... draft_excess: spec_scale's pull back to 1 per step nobody drafts
                            #     at another load than it was learnt at
 # The engine drafts only where `choose_k` expects that to beat plain decoding by this much: the
-# model's error at large batch is about that (reference-py, batch 32, k = 1: 55.9 ms priced,
-# 52.7 measured), and it does not see what a closed batch loses to sequences finishing unevenly
-# (notes/issue10.md, session 22).
+# model's error at large batch is about that, and it does not see what a closed batch loses to
+# sequences finishing unevenly (docs/decisions/0009-k-rule.md).
 MIN_GAIN = 0.05
 # ... and where a sequence runs alone, neither holds: the profile is taken at batch 1 and there is
 # no batch to finish unevenly. Alone it drafts where that pays 2%, the margin the router asks of
-# a request alone (`router.policy.PolicyConfig.min_gain`). At 5% the 70B scenario's single user
-# (issue 8, `simulate --scenario seed-4xa100`, draft sharded) kept plain decoding for requests
-# whose drafting paid 2-5%: always-adaptive 38.8 tok/s against fixed k = 4's 39.7; at 2%, 40.6.
+# a request alone (`router.policy.PolicyConfig.min_gain`); at 5% a lone request whose drafting
+# pays 2-5% would decode plainly (docs/decisions/0009-k-rule.md).
 MIN_GAIN_ALONE = 0.02
 PAYBACK_STEPS = 32   # a draft's catch-up pays back within the sequence's steps left, at most this
 CATCH_UP_MAX = 3     # draft tokens to catch up on that still make a decode step (calibration's)
@@ -199,14 +197,13 @@ class CalibratedCost:
     per_seq_s: float = 0.0
     spec_scale: float = 1.0
     # The engine (and the simulator's engines): spec_scale = what drafting took (its rounds and
-    # its tokens' share of the verify forward's excess, timed apart by the engine; see `calibrate`) / the base's
-    # price for the rounds, a forgetful regression through the origin over drafting steps
-    # (DRAFT_FORGET), within CAL_SCALE_RANGE; per_seq_s from what every decode step costs
-    # beyond that and the base's prices (a regression of the residual on the batch size,
-    # through the origin). Measured on reference-py (bf16, 2 threads, batch 32, k = 3): the base
-    # priced the draft rounds at 6.2 ms, they took 8.0 (Python per round and sequence, the
-    # catch-up token); charged per sequence instead, that excess priced a 13 ms plain step at
-    # 24-56 ms, drafting looked cheap and adaptive k ran at 0.93x of plain decoding.
+    # its tokens' share of the verify forward's excess, timed apart by the engine; see
+    # `calibrate`) / the base's price for the rounds, a forgetful regression through the origin
+    # over drafting steps (DRAFT_FORGET), within CAL_SCALE_RANGE; per_seq_s from what every
+    # decode step costs beyond that and the base's prices (a regression of the residual on the
+    # batch size, through the origin). The draft's own excess (Python per round and sequence,
+    # the catch-up token) stays the draft's: charged per sequence it would price plain steps
+    # far above their cost and make drafting look cheap (docs/decisions/0010-cost-calibration.md).
     draft_excess: bool = False
 
     def __post_init__(self) -> None:
@@ -229,10 +226,8 @@ class CalibratedCost:
         EWMA of the residual a sequence). per_seq stays >= 0 (a base that overprices the target
         stays overpriced), spec_scale within CAL_SCALE_RANGE. could_draft: some sequence of
         the step is speculative (draft_excess: only then does a step without drafting pull
-        spec_scale back, see below). (A joint least-squares fit of both terms on the step's
-        total, the simulator's engines' until session 31, cannot tell them apart at a steady
-        batch: in the engine adaptive k fell from 1.4-1.5x to 0.95x of plain decoding at batch
-        1, notes/issue10.md; in the simulator it learnt a 1.06x draft where the truth was 2.2x.)
+        spec_scale back, see below). A joint least-squares fit of both terms on the step's total
+        cannot tell them apart at a steady batch, hence the two regressions.
 
         draft_seconds, verify_seconds (draft_excess; the engine times a step's draft rounds and
         its verify forward apart): a drafting step then prices the draft at what its rounds
@@ -240,19 +235,12 @@ class CalibratedCost:
         (the forward's measured / priced time, applied to what the drafts add to the price);
         the rest, the time outside both and the excess on the plain share, teaches per_seq_s
         as a plain step does. Without them, whatever a drafting step costs beyond the prices
-        and per_seq_s is the draft's: under serving that charged the draft with the time the
-        replica's other threads and processes took from the step (the event loop streaming,
-        on cores the proxy and the client share), and an all-speculative load, which has no
-        plain step to learn per_seq_s from, held spec_scale at its ceiling (notes/issue8.md,
-        session 15). Measured in the engine (interleaved, fresh process per batch, adaptive
-        over plain decoding): reference-py batch 1 1.55x against 1.18x untimed, batch 16 1.00x
-        against 0.88x; reference-py-deep batch 16 0.97x against 0.83x in that run, but 0.85x
-        against 0.92x in a later one: the split reads most of the drafted tokens' excess in the
-        verify as the plain share's (notes/issue10.md, session 16). Reading the plain share
-        from timed plain steps instead did worse there on another machine (0.985x against
-        1.03x, and a noisier price) and was not kept (session 17).
-        Pricing the draft from its rounds alone (the verify's excess per sequence) drafted
-        where it did not pay (reference-py-deep batch 16: 0.85-0.87x)."""
+        and per_seq_s is the draft's: under serving that charges the draft with the time the
+        replica's other threads and processes take from the step, and an all-speculative load,
+        which has no plain step to learn per_seq_s from, holds spec_scale at its ceiling.
+        Pricing the draft from its rounds alone, without its share of the verify, drafts where
+        drafting does not pay. The alternatives and their figures:
+        docs/decisions/0010-cost-calibration.md."""
         n = len(ks)
         if self.draft_excess and any(ks):
             verify = self.base.target_s(n, n + sum(ks), context_tokens)
@@ -276,25 +264,19 @@ class CalibratedCost:
         if self.draft_excess:
             # Plain steps: residual = per_seq * n through the origin, weighted by n (forgetful):
             # a fixed excess seen at a small batch (a draining batch of 2) must not become a
-            # per-sequence price at batch 32 (an EWMA of residual / n made it 0.95 ms a
-            # sequence at one thread: a 21.5 ms step priced at 49.6 ms).
+            # per-sequence price at batch 32.
             # The prior (per_seq 0, PER_SEQ_PRIOR, never forgotten) keeps one step from setting
-            # the price: the first decode step of a process ran 6.8 against 4.3 ms (first-use
-            # costs), and with nothing else seen per_seq_s became 2.9 ms at batch 1; a
-            # speculative-only load has no later plain step to correct it, and at batch 32 that
-            # price left no time for drafting in `observed` above (spec_scale fell to its floor:
-            # 1,291 against 1,850 tok/s of plain decoding).
+            # the price: a process's first decode step pays first-use costs, and a
+            # speculative-only load has no later plain step to correct a price learnt from it
+            # (docs/decisions/0010-cost-calibration.md).
             self._learn_per_seq(n, max(0.0, seconds - step_s(ks, self.base, context_tokens)))
             # Speculative sequences at a load other than the one the draft's price was learnt
             # at (under half or over twice that batch), and nobody drafts: the price is not
             # being measured, so it drifts back to the profile's (spec_scale 1). A price learnt
             # at one load (drafting dear at batch 32) would otherwise hold k at 0 for good once
-            # load falls: nothing drafts, so nothing corrects it (reference-py, batch 1 after
-            # batch 32: 0.96x of plain decoding, acceptance 0, against 1.31x before batch 32).
-            # At the same load the price stays: drifting there made k = 0 retry drafting every
-            # few dozen steps, each retry a catch-up prefill (reference-py-deep, batch 16 and
-            # 32: 0.86 and 0.91x of plain decoding against 1.04 and 0.99 without the drift,
-            # interleaved pairs on a loaded machine; gated, 0.95 and 0.94 on a quiet one).
+            # load falls: nothing drafts, so nothing corrects it. At the same load the price
+            # stays: drifting there would make k = 0 retry drafting every few dozen steps, each
+            # retry a catch-up prefill (docs/decisions/0010-cost-calibration.md).
             # A price still true is learnt again by the first drafting steps (DRAFT_FORGET).
             # Steps of baseline sequences alone keep it: no choice is stuck.
             learnt_at = n if self._scale_n is None else self._scale_n
@@ -383,13 +365,13 @@ def choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: StepCostMo
     up on tokens it skipped while it did not draft (0 for a draft on time). A sequence stopped
     while acceptance sat near break-even otherwise restarts on the next small move of its
     estimate, the whole batch at once, each draft feeding every token it skipped, and stops
-    again a few steps later (notes/issue10.md, session 21: reference-py at batch 32).
+    again a few steps later.
 
     min_gain: drafting is chosen only if its goodput beats plain decoding's by this fraction.
     no_split: if any sequence drafts, every speculative one does (k >= 1): in a batch split into
     drafting and not, the ones not drafting advance a token a step while the rest advance
-    1 + a, so they finish later and alone (a closed batch at 16: 0.87-0.91x plain decoding,
-    notes/issue10.md, session 22), and they wait out every draft round for nothing.
+    1 + a, so they finish later and alone, and they wait out every draft round for nothing
+    (docs/decisions/0009-k-rule.md).
 
     Sequences with equal (a, k_max, catch-up) are solved as one group. For each cap
     K = 1..max(k_max), a Dinkelbach iteration on the linearised cost: every group takes the
@@ -497,7 +479,7 @@ def catch_up_prices(cost: StepCostModel, acceptance: Sequence[float],
     those tokens once before it proposes: priced at the draft's cost a fed token at this batch,
     spread over the steps the sequence has left to pay it back in (its tokens left at about
     1 + a a step; None: many), at most PAYBACK_STEPS (the estimate that says drafting pays is
-    a noisy one near break-even; notes/issue10.md, sessions 21-22).
+    a noisy one near break-even; docs/decisions/0009-k-rule.md).
     """
     if not any(catch_up_tokens):
         return None
@@ -514,7 +496,7 @@ def engine_choose_k(acceptance: Sequence[float], k_max: Sequence[int], cost: Ste
                     catch_up_s: Sequence[float] | None = None) -> list[int]:
     """k per sequence by the engine's rule (`LLMEngine._choose_k`, and the simulator's engines,
     `cluster/sim/replica.py`, through this one function): pure goodput, since the latency guard
-    is the router's business (DESIGN.md: "k per step maximises goodput"), drafting only at
+    is the router's business (docs/architecture.md, "Choosing the tier and k"), drafting only at
     MIN_GAIN over plain decoding (MIN_GAIN_ALONE for a sequence alone), and never a batch split
     into drafting and not."""
     min_gain = MIN_GAIN if len(acceptance) > 1 else MIN_GAIN_ALONE
@@ -537,12 +519,9 @@ class DraftProbe:
     its draft may first have to catch up on everything it skipped, a step the engine does not
     calibrate on); the next step that sequence, or another whose draft is on time, drafts one
     token again: a decode step the engine calibrates on, so the probe measures the draft's price
-    besides its acceptance. An engine pricing the draft at 1.3x its cost (issue 8, `simulate
-    --scenario seed-4xa100 --mismatch 0.3`, draft sharded, 20 users) otherwise stayed at plain
-    decoding's 510 tok/s and 33.5 s p95 where the true price drafts at 587 tok/s and 25.5 s.
-    While probes find that drafting still does not pay, the wait before the next doubles (to
-    PROBE_EVERY_MAX): at every 64 steps the catch-ups cost 1.2-1.6% of the throughput where
-    drafting never pays (the same scenario, a draft on one GPU, 6-64 users).
+    besides its acceptance. While probes find that drafting still does not pay, the wait before
+    the next doubles (to PROBE_EVERY_MAX), so probing costs little where drafting never pays.
+    What the probe recovers, and what a fixed wait costs: docs/decisions/0010-cost-calibration.md.
     """
 
     def __init__(self, every: int = PROBE_EVERY, every_max: int = PROBE_EVERY_MAX):

@@ -21,7 +21,8 @@ plain seeded decoding token for token (standard == premium == auto for a seed) a
 distribution is exactly p. It is greedy verification on Gumbel-perturbed log-probabilities, so
 `spec_decode` reuses the greedy path of `rejection_sample` with these tokens as the target's
 choice. The price: a draft token is accepted with P(argmax(log q + g) = argmax(log p + g)),
-which is at most sum(min(p, q)), rejection sampling's rate (measured in notes/issue13-seeded.md).
+which is at most sum(min(p, q)), rejection sampling's rate (the measured difference:
+docs/decisions/0012-seeded-coupled-sampling.md).
 Unseeded requests keep rejection sampling.
 
 The noise is counter-based: an integer hash (Wellons' lowbias32) of (seed, position, token id) in int64

@@ -7,25 +7,21 @@ the decision whether this process can build them. Does not own: the per-forward 
 lengths) or the pool's layout (`engine/kv_cache.py`, whose key rows this kernel's loop follows).
 
 Why: SDPA needs each sequence's keys contiguous, so the batched path first copies them out of
-the pool into a padded buffer, and then reads them again (batch-32 decode at context ~220,
-reference-py, 2 threads: 74-75 ms a step with gather + SDPA, 57-62 with a fused kernel; see
-notes/issue10.md). Until session 27 the fused kernel was torch ops over an indexed view of the
-pool that inductor compiled; its generated loop summed every key's 64 products horizontally,
-and scored (and weighted) each query row of a verify in a pass of its own, so five query rows
-cost 2.8x one and a batch-32 decode layer 2x vLLM's AMX kernel. Written here as the loop nest
-it should be, over `at::vec` (the vector types inductor's own C++ uses, AVX2 / AVX512 / NEON
-chosen by torch for this CPU) and built by inductor's C++ cache (so it needs what torch.compile
-needs on CPU: a C++ compiler; where building fails the engine keeps gather + SDPA, says so once):
+the pool into a padded buffer, and then reads them again; and SDPA's CPU rows move with their
+batch-mates. inductor, given the same math over an indexed view of the pool, sums every key's
+products horizontally and scores each query row of a verify in a pass of its own. So the kernel
+is written here as the loop nest it should be, over `at::vec` (the vector types inductor's own
+C++ uses, AVX2 / AVX512 / NEON chosen by torch for this CPU) and built by inductor's C++ cache
+(so it needs what torch.compile needs on CPU: a C++ compiler; where building fails the engine
+keeps gather + SDPA, says so once):
 - keys are stored d-major within a block's run of one head (`[head_dim, tokens]`,
   `engine/kv_cache.py`), so the scores of a lane-width of keys are one vector, accumulated over
   the head dimension with no horizontal sum;
 - up to RB query rows (a verify's tokens, a GQA group) share each key and value loaded, their
   accumulators held in registers;
 - the next block's run is prefetched (blocks need not be adjacent).
-Batch 32, 192 keys, bf16, 2 threads, AMX Xeon: one query row 0.6x the inductor kernel's time,
-five 0.35x; batch 1 0.4x (the call itself is a few microseconds: no dynamo, no guards); vLLM's
-AMX kernel beside it, and the engine's tokens a second before and after: notes/issue10.md,
-session 27.
+The call itself costs a few microseconds (no dynamo, no guards). Timings against gather + SDPA,
+the inductor kernel and vLLM's AMX kernel: docs/decisions/0004-cpu-kernels.md.
 
 Numerics: scores, softmax and the weighted sum run in float32 (a bfloat16 pool is read and
 converted in the kernel), so rows agree with SDPA's at the 1e-7 level. More: a row's output is a
@@ -248,8 +244,9 @@ extern "C" void kernel(const T* q, const T* kc, const T* vc, const int64_t* bloc
 }
 '''
 
-# The new tokens' keys and values into the pool, one call a layer for both (two `index_put_`
-# calls cost ~26 us each, 24 a step in a 12-layer model: ~0.6 ms of a batch-1 step). Token t's
+# The new tokens' keys and values into the pool, one call a layer for both, where two
+# `index_put_` calls a layer cost a noticeable share of a small batch's step
+# (docs/decisions/0004-cpu-kernels.md). Token t's
 # rows go to element offsets koff[t] / voff[t] of the layer's views; a key's dims are sd apart
 # (d-major), a value's adjacent.
 _WRITE_SOURCE = PRELUDE + r'''

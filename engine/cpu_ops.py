@@ -7,10 +7,9 @@ model's math (the forward decides what to call) or the projections (oneDNN).
 
 Why: in eager torch each of these is several ops (a norm in bfloat16 is a cast, a reduction, a
 multiply, a cast back and a scale; RoPE a concatenation, a product and a fused multiply-add),
-each a dispatch and a pass over the rows: ~45 us a layer at one token and ~100 us at 32 on the
-AMX Xeon (notes/issue10.md, session 26), ~0.5-1.2 ms of a 12-layer step. inductor's compiled
-versions of them saved little (its call path costs what they save at small batches; session
-26). Here each is one call of a few microseconds, one pass over its rows.
+each a dispatch and a pass over the rows. Here each is one call of a few microseconds, one pass
+over its rows; inductor's compiled versions cost in their call path what they save at small
+batches (figures: docs/decisions/0004-cpu-kernels.md).
 
 Numerics follow the torch ops they replace, rounding where they round: the residual sum and
 every product rounded to the model's dtype as eager bfloat16 ops round them; the norm in

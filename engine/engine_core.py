@@ -1,10 +1,10 @@
 """The engine in a process of its own (as vLLM's engine core), behind the same asyncio API.
 
-Why: in a Serve replica the step loop shares its process with the replica's event loop, Ray's
-core-worker threads and the GIL. Measured on 2 cores (notes/issue10.md, session 23), a served
-step took 1.4-2x the step of the engine alone, its thread off its core 14-24% of each step.
-Here the replica keeps the front (tokenizing, streaming, Serve's hooks) and a child process
-runs nothing but `LLMEngine.step()` and the messages between steps.
+Why: in a Serve replica the step loop would share its process with the replica's event loop,
+Ray's core-worker threads and the GIL, and its thread would wait for them within every step
+(docs/decisions/0013-engine-process.md). Here the replica keeps the front (tokenizing,
+streaming, Serve's hooks) and a child process runs nothing but `LLMEngine.step()` and the
+messages between steps.
 
 The core is started as `python -m engine.engine_core FD` (not multiprocessing's spawn, which
 re-runs the parent's `__main__`: in a Ray worker that is Ray's worker script) and talks over one

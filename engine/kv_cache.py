@@ -11,23 +11,19 @@ Layout: plane-major. `pool` is `[planes, num_blocks, plane_elems]`: block b is t
 `pool[:, b]`, one run of `plane_elems` in each plane. A plane holds one (layer, key or value) of
 the target (or a share of one, see `chunks`), so one layer's keys for ALL blocks are one
 contiguous array, and a sequence whose blocks are consecutive has its keys of a layer in one
-contiguous run, which the hardware prefetcher streams (batch 32 at ~200 tokens, reference-py,
-bf16, 2 threads: a decode step 14.3 against 16.1 ms with the block-major layout this replaced,
-in which one layer's keys of a block were a 10 KB run 245 KB from the next block's; one engine
-each, steps interleaved, notes/issue10.md). The allocator therefore keeps each sequence's blocks
-consecutive where it can (a new sequence goes to the middle of the largest free run; a sequence
-grows into the block after its last one when that is free).
+contiguous run, which the hardware prefetcher streams. The allocator therefore keeps each
+sequence's blocks consecutive where it can (a new sequence goes to the middle of the largest
+free run; a sequence grows into the block after its last one when that is free).
 
 Within a block's run of a plane, rows are head-major (vLLM's CPU cache orders a block so too):
-one KV head's keys of a block are one run, which the attention kernel reads front to back, where
-token-major rows had it take 1/heads of every token's row per pass (batch 32, 192 keys,
-reference-py, bf16, AMX Xeon, 2 threads: the kernel 678 against 944 us a layer, 400 keys 1414
-against 2268; a batch-32 step ~1.05x faster; notes/issue10.md, session 25). Values are
+one KV head's keys of a block are one run, which the attention kernel reads front to back,
+rather than 1/heads of every token's row per pass. Values are
 `[num_kv_heads, tokens_per_chunk, head_dim]`; keys are d-major within their head,
 `[num_kv_heads, head_dim, tokens_per_chunk]`, so that the kernel scores a vector's width of keys
 at once, accumulating over the head dimension, with no horizontal sum per key
-(`engine/cpu_attention.py`; session 27). A token's key is written as head_dim strided elements;
-one token a step per sequence, against every key read every step.
+(`engine/cpu_attention.py`). A token's key is written as head_dim strided elements; one token a
+step per sequence, against every key read every step. What each of these choices is worth:
+docs/decisions/0002-kv-pool-layout.md.
 
 Each model sees the pool through `layers(layout)`: per layer (K, V), each
 `[num_blocks, chunks, tokens_per_chunk, num_kv_heads, head_dim]`, a strided view. The plane
@@ -92,9 +88,9 @@ class BlockPool:
         """target, draft: (num_layers, num_kv_heads, head_dim) of each model's (per-rank) KV.
         resident: write the whole pool now. On CPU `torch.empty` only reserves address space
         and the kernel maps each page at its first write, in whichever step first hands out its
-        block: a served replica's first few hundred requests paid 0.22-0.30 ms a fresh block
-        against 0.06 (notes/issue10.md, session 21). Written at start, the budget is resident
-        (or fails to be at start, not under load)."""
+        block, so a served replica's first requests would pay a page fault per fresh block
+        (docs/decisions/0002-kv-pool-layout.md). Written at start, the budget is resident (or
+        fails to be at start, not under load)."""
         self.dtype = dtype
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.planes, tpb = _plan(block_size, target, draft)

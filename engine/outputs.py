@@ -19,7 +19,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     mode: Mode                         # the mode the request runs in now (may have dropped)
-    acceptance_rate: float | None = None          # accepted / drafted (DESIGN.md)
+    acceptance_rate: float | None = None          # accepted / drafted (docs/architecture.md)
     mean_acceptance_length: float | None = None   # 1 + accepted / drafts
     token_acceptance: float | None = None         # a = accepted / (accepted + rejections)
     kv_target_bytes: int = 0                      # KV this request holds now, target and draft
@@ -36,10 +36,11 @@ class RequestOutput:
 class EngineStats:
     """One engine's load and what the router's policy needs from it, at one moment.
 
-    The only stats record on the way back up (DESIGN.md, "observation"): a replica's
-    `record_routing_stats()` returns it as is, Ray carries it to the callers' request routers,
-    and `router.observer.Observer` turns it into the policy's `ClusterStats`; the simulator's
-    replicas emit it too. Pure Python (pickled by Ray; the ingress never imports torch).
+    The only stats record on the way back up (docs/architecture.md, "The stats' way back
+    up"): a replica's `record_routing_stats()` returns it as is, Ray carries it to the callers'
+    request routers, and `router.observer.Observer` turns it into the policy's `ClusterStats`;
+    the simulator's replicas emit it too. Pure Python (pickled by Ray; the ingress never
+    imports torch).
     """
 
     num_running: int

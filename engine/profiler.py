@@ -23,24 +23,18 @@ from engine.cost_model import (LinearCost, LinearStepCost, TableCost, TableStepC
 from engine.kv_cache import blocks_needed
 
 # Cached tokens per sequence while timing: the middle of the contexts served in the benchmarks
-# (128-token prompts, up to 128 new). Attention's cost, and which attention runs (gather + SDPA
-# or the fused kernel, engine/attention.py), grow with context: timed at 64, the table saw
-# neither the fused kernel nor its verify cost (2.2x a decode row at 5 query tokens), and
-# adaptive k over-drafted at batch 16-32 (0.91-0.95x of plain decoding).
+# (128-token prompts, up to 128 new). Attention's cost grows with context, and a verify row
+# costs more than a decode row there; a table timed at a short context under-prices both, and
+# adaptive k over-drafts at large batches.
 CONTEXT = 192
-VERSION = 15                      # bump when the forward's speed changes (kernels, layout; 10: the
-#                                   fused kernel called without dynamo, engine/cpu_attention.py;
-#                                   11: the grid timed in interleaved passes, made monotone;
-#                                   12: the C++ attention kernel over d-major keys;
-#                                   13: the KV write and elementwise steps in C++ too;
-#                                   14: those two vectors at a time;
-#                                   15: projections at bucketed, bit-exact row counts)
+VERSION = 15                      # bump when the forward's speed changes (kernels, layout, the
+#                                   way the grid is timed): cached tables then re-measure
 SEQS = (1, 2, 4, 8, 16, 32)                     # batch sizes timed
 TOKENS_PER_SEQ = (1, 2, 3, 5, 8)                 # query tokens per sequence (1 + k)
 GRID = [(n, q) for n in SEQS for q in TOKENS_PER_SEQ]
 REPEATS = 5                       # timed runs per point (median), after WARMUP untimed
-WARMUP = 2                        # (one was not enough: the first point timed, batch 1, read 1.5 ms
-                                  # for a 0.8 ms draft forward, and adaptive k misjudged batch 1)
+WARMUP = 2                        # (after one, the first point timed can still read ~2x its
+                                  # cost, and adaptive k misjudges batch 1)
 
 
 def _key(engine) -> str:
@@ -69,11 +63,9 @@ def _time_runner(runner, pool, owner: str, tpb: int, grid) -> list[tuple[int, in
 
     The grid is timed in passes, every point once a pass (WARMUP untimed passes, then REPEATS
     timed ones), and each point keeps its median: a slow spell of a shared machine then
-    touches every point alike instead of the few timed during it. Timed point after point,
-    three profiles of reference-py at batch 16 (2 threads) priced one extra query token a
-    sequence at +60%, +22% and +30% of a decode forward (it costs +15-30% in the engine's own
-    steps), and adaptive k read drafting as dearer or cheaper than it was from one start to
-    the next. The medians are then made monotone (`_monotone`)."""
+    touches every point alike instead of the few timed during it, and one start's table prices
+    drafting as the next one's does (docs/decisions/0010-cost-calibration.md). The medians are
+    then made monotone (`_monotone`)."""
     samples = []
     max_seqs = max(n for n, _ in grid)
     per_seq = blocks_needed(CONTEXT + max(q for _, q in grid), tpb)

@@ -50,7 +50,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
-        # Live acceptance (DESIGN.md definitions).
+        # Live acceptance (docs/architecture.md, "Vocabulary").
         self.num_drafts = 0                   # steps in which this sequence drafted (k > 0)
         self.num_draft_tokens = 0
         self.num_accepted = 0

@@ -108,7 +108,8 @@ def _lr(plan: StagePlan, step: int) -> float:
 
 
 def cpu_has_bf16() -> bool:
-    """AVX-512 BF16 or AMX: there bf16 matmuls run ~1.6x faster than fp32; elsewhere slower."""
+    """AVX-512 BF16 or AMX: there bf16 matmuls run faster than fp32; elsewhere slower
+    (docs/decisions/0003-dtype-auto.md)."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 

@@ -84,8 +84,8 @@ def replay_prompts(count: int, seed: int = 0, max_chars: int = 400) -> list[dict
     """`count` prompts of class `replay`: a few consecutive lines cut from this machine's Python
     standard library, the kind of text the draft was made for. Continued by the target and
     trained on beside the traffic being distilled, they keep the draft's agreement on the rest
-    of the traffic (without them a draft distilled on templated prompts lost 0.02-0.03 of
-    acceptance on other code, notes/issue12.md). Deterministic for a seed and a Python."""
+    of the traffic: without them a draft distilled on templated prompts loses acceptance on
+    other code (docs/decisions/0020-aligned-drafts.md). Deterministic for a seed and a Python."""
     from models.demo_data import _python_files, source_roots
 
     files = [path for _, path in _python_files(source_roots(False)[0], 200_000)]

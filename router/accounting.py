@@ -3,9 +3,9 @@
 `Accounting` wires the database (`router/store.py`), the live keys (`router/keys.py`), the
 rate limiter (`router/ratelimit.py`), the price rule (`router/billing.py`) and the ledger
 (`router/ledger.py`) from one `AppConfig`, so the ingress needs only a few hooks:
-`admit` after the tier decision (429 with headers when over a limit), `finish` when the
-request ends however it ends (ok, client gone, error: the usage seen so far is priced and
-spooled before the response completes). Blocking work runs in worker threads.
+`admit` after the tier decision (429 with headers when over a limit), then `usage` and
+`record` when the request ends however it ends (ok, client gone, error: the usage seen so far
+is priced and spooled before the response completes; `router/lifecycle.py` calls them).
 """
 
 from __future__ import annotations
@@ -107,13 +107,13 @@ class Accounting:
                             getattr(last, "acceptance_rate", None),
                             getattr(last, "mean_acceptance_length", None))
 
-    def finish(self, charge: Charge, last, status: str, http_status: int,
-               error: str | None = None) -> BilledUsage:
-        """Price and spool the record (blocking fsync; once per request). Returns the usage."""
-        usage = self.usage(charge, last)
-        with _FINISH_LOCK:          # the first finish wins (a cancel may race a normal end)
+    def record(self, charge: Charge, usage: BilledUsage, status: str, http_status: int,
+               error: str | None = None) -> bool:
+        """Spool the request's ledger record (blocking fsync). Only the first call for a
+        request writes (a cancel may race a normal end); returns whether this one did."""
+        with _FINISH_LOCK:
             if charge.done:
-                return usage
+                return False
             charge.done = True
         self.ledger.record(LedgerRecord(
             request_id=charge.request_id, key_id=charge.key_id, key_name=charge.key_name,
@@ -124,11 +124,7 @@ class Accounting:
             draft_tokens=usage.draft_tokens, accepted_tokens=usage.accepted_tokens,
             price_micro_usd=usage.price_micro_usd, reserved_tokens=charge.reserved_tokens,
             started_at=charge.started_at, finished_at=time.time(), error=error))
-        return usage
-
-    async def finish_async(self, charge: Charge, last, status: str, http_status: int,
-                           error: str | None = None) -> BilledUsage:
-        return await asyncio.to_thread(self.finish, charge, last, status, http_status, error)
+        return True
 
     def close(self) -> None:
         self.ledger.stop()

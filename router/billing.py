@@ -1,6 +1,6 @@
 """Price by what ran, in integer micro-dollars, and the usage block that shows it.
 
-The rule (one, documented in the README and notes/issue11.md):
+The rule (one, documented in the README and docs/decisions/0018-price-by-what-ran.md):
 - the small tier: prompt and completion tokens at the small prices;
 - the target (speculative and baseline modes of the same replicas): completion tokens the
   engine emitted while the sequence was in speculative mode at the speculative completion
@@ -9,7 +9,9 @@ The rule (one, documented in the README and notes/issue11.md):
 Prices in the config are USD per million tokens, which is micro-dollars per token; the sum is
 computed exactly (`Fraction`) and rounded half up to a whole micro-dollar per request, so a
 ledger total equals the sum of the responses' `price_micro_usd` exactly.
-Owns this arithmetic and `BilledUsage` (the OpenAI `usage` with specserve's fields). Pure Python.
+Money lives here, in one representation: integer micro-dollars (`price_usd` in a response and
+`usd_text` in reports are views of it). Owns this arithmetic and `BilledUsage` (the OpenAI
+`usage` with specserve's fields). Pure Python.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def price_micro_usd(prices: dict, run: RunCounts) -> int:
                  + spec * _rate(prices, "speculative", "completion")
                  + (run.completion_tokens - spec) * _rate(prices, "baseline", "completion"))
     return int(exact + Fraction(1, 2))   # half up (exact >= 0)
+
+
+def usd_text(micro_usd: int) -> str:
+    """Micro-dollars as USD with six decimals, exactly (no binary float on the way)."""
+    sign = "-" if micro_usd < 0 else ""
+    whole, part = divmod(abs(micro_usd), 1_000_000)
+    return f"{sign}{whole}.{part:06d}"
 
 
 class BilledUsage(Usage):

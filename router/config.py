@@ -89,12 +89,9 @@ class TierModelConfig(_Strict):
         plus a quarter of a batch (at least 4) in transit (being refused, or streaming their
         last chunk after the engine let them go). So past saturation the engine's own queue
         holds the backlog and refuses beyond it (429), cheaply, in order. With a replica bound
-        below the engine's, the replica filled first and the rest waited at the caller's Serve
-        handle, whose router polled the full replica for its queue length: at 1.6x the
-        closed-loop capacity (reference-py, `bench-http.yaml`, Poisson 16 req/s) the served
-        tokens halved, 320 against 657 tok/s at 32 closed-loop users, 390 requests refused;
-        with a bound above the engine's (100) 582 tok/s, 237 refused, p95 11.9 against 22.5 s,
-        and 564 tok/s with this default (104) in a later run (notes/issue8.md, session 26)."""
+        below the engine's, the replica would fill first and the rest wait at the caller's Serve
+        handle, whose router polls the full replica for its queue length, and past saturation
+        the served tokens halve (docs/decisions/0015-replica-takes-what-its-engine-holds.md)."""
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
         return self.max_num_seqs + self.max_waiting + max(4, self.max_num_seqs // 4)
@@ -115,7 +112,8 @@ class TierModelConfig(_Strict):
 
 
 class TierPrice(_Strict):
-    """USD per million tokens."""
+    """USD per million tokens, that is micro-dollars per token: `router/billing.py` reads them
+    exactly (as decimals) and prices a request in integer micro-dollars."""
     prompt_per_1m: float = Field(ge=0)
     completion_per_1m: float = Field(ge=0)
 

@@ -12,14 +12,14 @@ route, FastAPI, an unknown path or a stream that fails midway (an SSE error even
 `[DONE]`), is in OpenAI's shape; exception text never reaches a client (it is logged with the
 request id). `drain()` stops admitting (503 + Retry-After) for a graceful stop.
 
-Owns: routes, auth, error bodies, SSE framing, the ingress metrics (tier decisions and
-requests by status). Does not own the decision (`router/policy.py`), the stats gathering
+Owns: routes, auth, error bodies, SSE framing. A request ends in one place, however it ends
+(`router/lifecycle.py`: ok, client_gone or error; its ledger record, metrics and admission
+ticket). Does not own the decision (`router/policy.py`), the stats gathering
 (`router/live_stats.py`) nor generation (`deployments/`). Never imports torch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -28,7 +28,6 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve import metrics
 from ray.serve.exceptions import BackPressureError
 from starlette.responses import Response
 
@@ -38,13 +37,13 @@ from router.admission import Admission
 from router.capture import CaptureBuffer, chat_text
 from router.config import AppConfig
 from router.http_app import app, chain, endpoint_plan, routes
+from router.lifecycle import IngressMetrics, RequestLife
 from router.live_stats import LiveStats
-from router.observer import Observer, RequestOutcome
+from router.observer import Observer
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
-                                  RunningUsage, Usage, chat_body, chat_chunk, completion_body, completion_chunk,
+                                  RunningUsage, chat_body, chat_chunk, completion_body, completion_chunk,
                                   error_body, new_id, system_fingerprint)
-from router.pricing import PriceTable, check_speculation, effective_plan, plan_covers
-from router.revenue import Revenue
+from router.plans import check_speculation, effective_plan, plan_covers
 from router.validation import parse_json_object, read_body, validate_request
 from router.wire import GenerateChunk, GenerateRequest, find_tier_error
 
@@ -58,7 +57,6 @@ class Ingress:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config)
         self.accounts = Accounting(self.cfg)     # live keys, rate limits, prices, ledger
         self.keys = self.accounts.keys
-        self.prices = PriceTable.from_config(self.cfg.prices)
         self.handles = {"target": target_handle}
         if small_handle is not None:
             self.handles["small"] = small_handle
@@ -70,11 +68,7 @@ class Ingress:
         self.capture = CaptureBuffer(self.cfg.capture)      # off unless the config opts in
         self.retry_after = str(max(1, math.ceil(self.cfg.limits.retry_after_s)))
         self.admission = Admission(self.cfg.limits.max_in_flight, self.retry_after)
-        self.m_decisions = metrics.Counter("specserve_tier_decisions", tag_keys=("tier", "reason"),
-                                           description="Tier decisions by tier and reason.")
-        self.m_requests = metrics.Counter("specserve_requests", tag_keys=("status", "tier", "api"),
-                                          description="Finished HTTP requests by status code.")
-        self.revenue = Revenue(self.accounts)
+        self.metrics = IngressMetrics()
         try:
             self.live.start()
         except RuntimeError:    # no running loop here: the first health check or request starts it
@@ -147,7 +141,7 @@ class Ingress:
             k_max, reason = (self.policy_config.k_max if tier == "speculative" else 0), "policy_error"
         if tier == "small" and "small" not in self.handles:
             tier, reason = "baseline", "no_small_tier"
-        self.m_decisions.inc(tags={"tier": tier, "reason": reason})
+        self.metrics.decided(tier, reason)
         return tier, k_max, reason, req.prompt_class
 
     async def _start(self, gen_req: GenerateRequest):
@@ -165,25 +159,13 @@ class Ingress:
             raise self._failure(exc, gen_req.tier, gen_req.request_id) from None
         return first, stream
 
-    async def _usage(self, last: GenerateChunk, charge, prompt_class: str) -> Usage:
-        """Price what ran and spool the ledger record (fsync); then tell the observer."""
-        usage = await self.revenue.finish(charge, last)
-        self.observer.finished(charge.tier, prompt_class, RequestOutcome(
-            last.num_prompt_tokens, last.num_output_tokens, last.num_accepted_tokens,
-            last.num_draft_trials))
-        return usage
-
-    def _end(self, charge, last, status: str, http_status: int, error: str | None = None):
-        """A request that did not finish normally: its partial usage goes to the ledger."""
-        self.revenue.end(charge, last, status, http_status, error)
-
     async def _serve(self, request: Request, chat: bool) -> Response:
         api = "chat" if chat else "completions"
-        tier, ticket, charge = "none", None, None
         request_id = new_id("chatcmpl" if chat else "cmpl")
         self.live.start()
-        try:
-            ticket = self.admission.enter()
+        life = RequestLife(self.accounts, self.metrics, self.observer, api, request_id)
+        async with life:
+            life.ticket = self.admission.enter()
             plan, key = self._auth(request)
             body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
             check_speculation(plan, body.speculation)
@@ -195,111 +177,79 @@ class Ingress:
                 text, prompt_len = "", len(body.prompt)
             else:
                 text, prompt_len = body.prompt, len(body.prompt) // 4
-            tier, k_max, reason, prompt_class = self._decide(plan, body, text, prompt_len,
-                                                             sampling["max_tokens"])
-            self.capture.offer(plan, chat_text(messages) if chat else text, prompt_class,
+            life.tier, k_max, reason, life.prompt_class = self._decide(
+                plan, body, text, prompt_len, sampling["max_tokens"])
+            self.capture.offer(plan, chat_text(messages) if chat else text, life.prompt_class,
                                self.observer.acceptance_by_class(learnt_only=True))
-            charge = await self.accounts.admit(request_id, key, plan, endpoint_plan(request), api,
-                                               tier, reason, prompt_len + sampling["max_tokens"])
+            life.charge = await self.accounts.admit(request_id, key, plan, endpoint_plan(request),
+                                                    api, life.tier, reason,
+                                                    prompt_len + sampling["max_tokens"])
             gen_req = GenerateRequest(
-                request_id=request_id, tier=tier, k_max=k_max, sampling=sampling,
-                mode="speculative" if tier == "speculative" else "baseline",
+                request_id=request_id, tier=life.tier, k_max=k_max, sampling=sampling,
+                mode="speculative" if life.tier == "speculative" else "baseline",
                 messages=messages if chat else None,
                 prompt=body.prompt if not chat and isinstance(body.prompt, str) else None,
                 prompt_token_ids=body.prompt if not chat and isinstance(body.prompt, list) else None)
-            first, stream = await self._start(gen_req)
-        except BaseException as exc:
-            if ticket is not None:
-                ticket.release()
-            if not isinstance(exc, Exception):
-                self._end(charge, None, "client_gone", 499)
-                raise                           # cancelled: the client went away
-            if not isinstance(exc, HTTPError):
-                logger.exception("request %s failed", request_id)
-                exc = HTTPError(500, f"internal error (request {request_id})", "internal_error")
-            self._end(charge, None, "error", exc.status, exc.message)
-            self.m_requests.inc(tags={"status": str(exc.status), "tier": tier, "api": api})
-            return exc.response()
-        headers = {"x-specserve-tier": tier, "x-specserve-reason": reason, **charge.headers}
-        ids = body.return_token_ids
-        if body.stream:
-            running = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-            events = self._sse(first, stream, chat, body.model, request_id, charge,
-                               prompt_class, ids, api, ticket, running)
-            ticket.release_with(events)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        parts, token_ids, last = [], [], first
-        try:
-            async for chunk in chain(first, stream):
-                parts.append(chunk.text)
-                token_ids += chunk.token_ids
-                last = chunk
-        except asyncio.CancelledError:
-            self._end(charge, last, "client_gone", 499)     # what it ran so far is billed
-            raise
-        except Exception as exc:
-            err = self._failure(exc, tier, request_id)
-            self._end(charge, last, "error", err.status, err.message)
-            self.m_requests.inc(tags={"status": str(err.status), "tier": tier, "api": api})
-            return err.response()
-        finally:
-            stream.cancel()     # no-op when exhausted; aborts the sequence if we are cancelled
-            ticket.release()
-        try:
-            usage = await self._usage(last, charge, prompt_class)
-        except asyncio.CancelledError:
-            self._end(charge, last, "client_gone", 499)
-            raise
-        headers["x-specserve-reason"] = usage.reason       # the engine may have changed it
-        make = chat_body if chat else completion_body
-        self.m_requests.inc(tags={"status": "200", "tier": tier, "api": api})
-        fingerprint = system_fingerprint(self.cfg.model_name, last.fingerprint)
-        return JSONResponse(make(request_id, body.model, "".join(parts), last.finish_reason, usage,
-                                 token_ids if ids else None, fingerprint), headers=headers)
+            first, life.stream = await self._start(gen_req)
+            life.last = first
+            headers = {"x-specserve-tier": life.tier, "x-specserve-reason": reason,
+                       **life.charge.headers}
+            if body.stream:
+                running = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+                events = self._sse(life, first, chat, body.model, body.return_token_ids, running)
+                return life.hand_off(StreamingResponse(events, media_type="text/event-stream",
+                                                       headers=headers))
+            parts, token_ids = [], []
+            try:
+                async for chunk in chain(first, life.stream):
+                    parts.append(chunk.text)
+                    token_ids += chunk.token_ids
+                    life.last = chunk
+            except Exception as exc:
+                raise self._failure(exc, life.tier, request_id) from None
+            last = life.last
+            usage = await life.finish(last)
+            headers["x-specserve-reason"] = usage.reason       # the engine may have changed it
+            make = chat_body if chat else completion_body
+            fingerprint = system_fingerprint(self.cfg.model_name, last.fingerprint)
+            return JSONResponse(make(request_id, body.model, "".join(parts), last.finish_reason,
+                                     usage, token_ids if body.return_token_ids else None,
+                                     fingerprint), headers=headers)
+        return life.response            # the request ended in an error (`RequestLife`)
 
-    async def _sse(self, first, stream, chat, model, request_id, charge, prompt_class,
-                   return_ids, api, ticket, running_usage=False):
-        status, tier, last = "200", charge.tier, first
-        try:
-            is_first, completion_tokens = True, 0
-            async for chunk in chain(first, stream):
-                last = chunk
-                completion_tokens += len(chunk.token_ids)
-                if not (chunk.text or chunk.finished or is_first or (return_ids and chunk.token_ids)):
-                    continue            # nothing to say yet (the detokenizer holds bytes back)
-                usage = await self._usage(chunk, charge, prompt_class) if chunk.finished else None
-                if usage is None and running_usage:
-                    usage = RunningUsage(chunk.num_prompt_tokens, completion_tokens)
-                ids = chunk.token_ids if return_ids else None
-                fingerprint = system_fingerprint(self.cfg.model_name, chunk.fingerprint)
-                if chat:
-                    data = chat_chunk(request_id, model, chunk.text, chunk.finish_reason, usage,
-                                      first=is_first, token_ids=ids, fingerprint=fingerprint)
-                else:
-                    data = completion_chunk(request_id, model, chunk.text, chunk.finish_reason,
-                                            usage, ids, fingerprint)
-                is_first = False
-                yield f"data: {json.dumps(data)}\n\n"
-                if chunk.finished:
-                    break
+    async def _sse(self, life: RequestLife, first, chat, model, return_ids, running_usage=False):
+        """The response's SSE events; `life` ends the request when the stream ends."""
+        async with life:
+            try:
+                is_first, completion_tokens = True, 0
+                async for chunk in chain(first, life.stream):
+                    life.last = chunk
+                    completion_tokens += len(chunk.token_ids)
+                    if not (chunk.text or chunk.finished or is_first or (return_ids and chunk.token_ids)):
+                        continue        # nothing to say yet (the detokenizer holds bytes back)
+                    usage = await life.finish(chunk) if chunk.finished else None
+                    if usage is None and running_usage:
+                        usage = RunningUsage(chunk.num_prompt_tokens, completion_tokens)
+                    ids = chunk.token_ids if return_ids else None
+                    fingerprint = system_fingerprint(self.cfg.model_name, chunk.fingerprint)
+                    if chat:
+                        data = chat_chunk(life.request_id, model, chunk.text, chunk.finish_reason,
+                                          usage, first=is_first, token_ids=ids,
+                                          fingerprint=fingerprint)
+                    else:
+                        data = completion_chunk(life.request_id, model, chunk.text,
+                                                chunk.finish_reason, usage, ids, fingerprint)
+                    is_first = False
+                    yield f"data: {json.dumps(data)}\n\n"
+                    if chunk.finished:
+                        break
+            except Exception as exc:    # mid-stream: an error event, then the end marker
+                life.error = self._failure(exc, life.tier, life.request_id)
+                err = life.error
+                body = error_body(err.message, ERROR_TYPES.get(err.status, "server_error"),
+                                  err.code, err.param)
+                yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
-        except asyncio.CancelledError:
-            status = "499"          # the client went away
-            raise
-        except Exception as exc:        # mid-stream: an error event, then the end marker
-            err = self._failure(exc, tier, request_id)
-            status = str(err.status)
-            body = error_body(err.message, ERROR_TYPES.get(err.status, "server_error"), err.code,
-                              err.param)
-            yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            stream.cancel()         # Serve cancels the replica's generator -> engine.abort
-            ticket.release()
-            if status == "200" and not charge.done:
-                status = "499"      # closed by the server side without a cancel: client gone
-            self._end(charge, last, "client_gone" if status == "499" else "error", int(status))
-            self.m_requests.inc(tags={"status": status, "tier": tier, "api": api})
 
     # -- routes -------------------------------------------------------------------------------
     @routes("/v1/completions")

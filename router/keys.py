@@ -13,7 +13,7 @@ a guess, which does not help to forge one). Three sources, merged by `KeyStore`:
 `KeyStore.refresh()` re-reads the database and the file (on mtime change) every
 `auth.refresh_s` in a background thread: a change is live within about a second, no restart.
 Keys with role `admin` manage keys and see `/health` details; they do not call models.
-Does not own HTTP nor what a plan may do (`router/pricing.py`).
+Does not own HTTP nor what a plan may do (`router/plans.py`).
 """
 
 from __future__ import annotations

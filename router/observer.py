@@ -13,7 +13,7 @@ simulator's policy sees exactly what a live router could see, never the simulato
                                             will meet a new request
 
 Pure Python: no torch, no Ray. Decides nothing (that is `router/policy.py`) and does not price
-anything (that is `router/pricing.py` and `router/accounting.py`).
+anything (that is `router/billing.py` and `router/accounting.py`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from router.stats import PROMPT_CLASSES, ClusterStats, TierStats
 RECENT_REQUESTS = 256        # finished requests behind the acceptance samples and mean lengths
 # The draft's price factor a replica learnt (`CalibratedCost.spec_scale`) as the policy sees it:
 # the median of what the replica reported over its last PRICE_WINDOW_S seconds. The engine
-# relearns it every few drafting steps (its own k choice wants that), and under serving it
-# swung 1.0-3.5x within seconds while acceptance held at 0.77-0.83 (reference-py, 8 users,
-# notes/issue8.md, session 14): a tier decision binds a request for seconds, and one spike
-# sent whole seconds of auto's requests to baseline as `acceptance_low`.
+# relearns it every few drafting steps (its own k choice wants that), so under serving it swings
+# within seconds while acceptance holds; a tier decision binds a request for seconds, and one
+# spike must not send whole seconds of requests the wrong way
+# (docs/decisions/0017-tier-policy.md).
 PRICE_WINDOW_S = 30.0
 PRICE_SAMPLES = 256
 

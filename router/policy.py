@@ -18,18 +18,12 @@ Rules, first match wins (reasons are machine-readable and returned to the caller
                            replica's profile (`speculation_gain` of it alone >= min_gain), and
                            the engine's adaptive k then decides each step, at every batch,
                            whether and how far to draft (k = 0 is plain decoding).
-No load gate for auto beyond memory. A deep queue sent auto to baseline too, until session 31
-(notes/issue8.md): past saturation on reference-py through HTTP that delivered 0.84x of always
-speculating (Poisson 24: 1,135 against 1,351 tok/s), and 1.01x and 1.00x in two earlier
-windows; always speculating was never below baseline there (0.99-1.21x). A queue says the
-batch is full, and at a full batch the engine's k already drafts only where that pays. A rule that sent auto to baseline when the
-predicted gain of the whole batch fell (`batch_large`, with hysteresis) never paid against
-always speculating with the engine's adaptive k: in the simulator (seed-4xa100, session 23)
-always-adaptive was at or above baseline at every load and the gate cost 6% at 40 users. The
-engine's per-step k already stops drafting where verification stops paying; a router guessing
-the same from a second-hand cost model lags it. Through HTTP (reference-py, CPU, session 26)
-auto delivered 0.88-0.89x of always speculating at 8 and 32 users, sent to baseline by the
-per-request test priced with a load-learnt draft price (see `choose_tier`), now the profile's.
+No load gate for auto beyond memory, and a deep queue does not send auto to baseline: a queue
+says the batch is full, and at a full batch the engine's per-step k already drafts only where
+that pays; a router guessing the same from a second-hand cost model lags it. The per-request
+test prices drafting at the replica's profile, not at a price learnt under load (see
+`choose_tier`). Each of these rules, and the alternatives it was measured against:
+docs/decisions/0017-tier-policy.md.
 The small tier is a quality trade: only economy, or a caller who set allow_downgrade, gets it.
 """
 
@@ -141,10 +135,9 @@ def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
     # Whether this class's acceptance pays for drafting, priced at the replica's profile: what
     # a replica learns while serving (`CalibratedCost`: the draft's price factor, the per-
     # sequence overhead) describes the batches it ran, and is the engine's to act on per step.
-    # Priced with it, a draft price learnt at 8-32 users (3.6-4.0x the profile) made a lone
-    # request look unpaying, every auto request went to baseline (`acceptance_low`), no
-    # sequence drafted, so the price was never measured again and stayed: 0.88-0.89x of always
-    # speculating at 8 and 32 users (notes/issue8.md, session 26).
+    # Priced with it, a draft price learnt at a large batch makes a lone request look
+    # unpaying, every auto request goes to baseline, no sequence drafts, and the price is never
+    # measured again (docs/decisions/0017-tier-policy.md).
     profiled = replace(target, cost=getattr(target.cost, "base", target.cost))
     alone = speculation_gain(profiled, a, config.k_max, request.prompt_tokens, request.max_tokens,
                              alone=True)
@@ -172,9 +165,8 @@ def speculation_gain(target: TierStats, a: float, k_max: int, prompt_tokens: int
     speculative: typical members at the median of the recent acceptance samples and one at
     their 1/(B+1) quantile, the lowest acceptance a batch of B+1 can expect. k is the engine's
     own choice for that batch (`engine_choose_k`: goodput, drafting only at its MIN_GAIN, no
-    split batches), so the router predicts what the engine will do. (It used `choose_k` with
-    the p95 slowdown guard, which the engine dropped: at 32-40 users on seed-4xa100, draft
-    sharded, auto then stopped speculating where the engine's k still gained 6-9%.)
+    split batches), so the router predicts what the engine will do, not a stricter rule of its
+    own (docs/decisions/0009-k-rule.md).
     Time per output token = decode step / tokens per step + prefill / output length: every
     request's prompt goes through the target once (both modes), and through the draft once
     when it speculates. 1.0 or less: speculation does not pay.

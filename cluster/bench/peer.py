@@ -4,8 +4,8 @@ vLLM runs in ANOTHER interpreter (`--peer-python`, its own venv; never a depende
 project), with the same prompts, new tokens, threads and temperature (greedy by default), eos
 ignored. Its runs are interleaved with ours, one at a time (never at the same time): for each
 batch and repeat, our baseline and adaptive runs, then vLLM's baseline and speculative runs.
-This machine's speed drifts by 30% within minutes (the same batch-32 step took 14 and 19 ms a
-minute apart), so a sweep of ours followed by a sweep of vLLM's compared two different machines.
+A small shared machine's speed drifts by tens of percent within minutes, so a sweep of ours
+followed by a sweep of vLLM's would compare two different machines.
 """
 
 from __future__ import annotations

@@ -71,9 +71,8 @@ def load_prompts(folder: str | Path, classes: list[str]) -> dict[str, list[str]]
 def window_order(policies: list[str], load_index: int, repeat: int) -> list[str]:
     """The policies' windows at one load and repeat, rotated by both: the first window after a
     change of load meets the engine as the last load left it (its learnt prices, its batch),
-    and a policy always first there read low (auto, first at every load: 0.92-0.94x of always
-    speculating at 1, 2 and 4 users with both on the speculative tier; notes/issue8.md,
-    session 31). Rotated, each policy opens as many loads as the others."""
+    so a policy that always came first there would read low. Rotated, each policy opens as
+    many loads as the others."""
     shift = (load_index + repeat) % len(policies)
     return policies[shift:] + policies[:shift]
 

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a machine whose
-# cores are shared, spinning threads made 2-thread training 3 to 20 times slower than 1 thread
-# whenever another process was busy; sleeping costs ~15% on an idle machine.
+# cores are shared, spinning threads stall training whenever another process is busy; sleeping
+# costs a little on an idle machine (docs/decisions/0006-openmp-wait-policy.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -14,6 +14,8 @@ import json
 import sys
 import time
 
+from router.billing import usd_text
+
 GROUP = ("day", "key_name", "key_id", "plan", "tier")
 SUMS = ("requests", "ok", "gone", "errors", "prompt_tokens", "completion_tokens", "spec_tok",
         "base_tok", "dropped", "micro_usd")
@@ -48,10 +50,10 @@ def render_table(rows: list[dict]) -> str:
     head = ["day", "key", "key_id", "plan", "tier", "reqs", "ok", "gone", "err", "prompt",
             "compl", "spec_tok", "base_tok", "dropped", "usd"]
     body = [[r["day"], r["key_name"], r["key_id"], r["plan"], r["tier"], *(str(r[k]) for k in SUMS[:-1]),
-             f"{r['micro_usd'] / 1e6:.6f}"] for r in rows]
+             usd_text(r['micro_usd'])] for r in rows]
     t = totals(rows) if rows else {k: 0 for k in SUMS}
     body.append(["total", "", "", "", "", *(str(t[k]) for k in SUMS[:-1]),
-                 f"{t['micro_usd'] / 1e6:.6f}"])
+                 usd_text(t['micro_usd'])])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(c.ljust(w) if i < 5 else c.rjust(w)   # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))

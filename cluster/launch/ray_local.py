@@ -17,9 +17,8 @@ flag read from the environment by the controller and the replicas, so it is set 
 Ray starts and restored by `stop`). The proxy keeps serving `http_port` beside it. The port
 range is that one port (the app has one ingress replica) and its quarantine is 0: the
 quarantine keeps a freed port from HAProxy, which specserve does not run, and would keep a
-restarted ingress off its port for minutes. Measured on 2 cores (notes/issue10.md, session
-20): a streamed completion's first token 51-56 ms direct against 55-62 ms through the proxy
-(one stream, `bench-http.yaml`; under load inside the noise).
+restarted ingress off its port for minutes. What the hop saves:
+docs/decisions/0014-serving-path-hops.md.
 """
 
 from __future__ import annotations
@@ -53,9 +52,8 @@ def serve_speed_env(direct_ingress: bool) -> dict[str, str]:
     replica's user code and its handles' router on the replica's main event loop instead of a
     thread and a loop of their own, calls between deployments over gRPC, buffers the access log
     and keeps it off stderr, and freezes the startup objects out of the garbage collector.
-    Measured here (notes/issue10.md, session 30): a lone streamed completion's first token
-    19.1 -> 14.7 ms at the client; the hop from the ingress to the tier replica 2.6 -> 1.3 ms
-    and the first chunk back 1.1 -> 0.4 ms. It needs replicas whose code never blocks the loop
+    It halves the handle hops of a lone request's first token
+    (docs/decisions/0014-serving-path-hops.md). It needs replicas whose code never blocks the loop
     (the engine's calls are awaited or run in a thread: deployments/engine_server.py). The mode
     also turns direct ingress on by default; here it stays exactly what the launcher asked for.
     A value the user exported wins over both."""

@@ -8,7 +8,7 @@ router's policy sees only that. `FittedStepCost` is a `engine.cost_model.StepCos
   target_s = fixed + per_seq * seqs + per_token * query tokens + per_ctx * context tokens
   draft_s  = max(draft floor, the same four terms for the draft)
 
-Sources (A100-SXM4-80GB, fp16, Llama-2-70B TP4; the numbers issue 8 quotes):
+Sources (A100-SXM4-80GB, fp16, Llama-2-70B TP4, published figures):
   - lmdeploy's A100 fp16 static-inference tables (docs/en/benchmark, TurboMind, llama2-70b,
     tp 4): batch 1 decode 29 ms per token; batch 64 decode 43-55 ms per step, the range over
     the table's output lengths (we read 43 ms at ~128 tokens of context per sequence and 55 ms
@@ -16,8 +16,8 @@ Sources (A100-SXM4-80GB, fp16, Llama-2-70B TP4; the numbers issue 8 quotes):
   - TensorRT-LLM 0.5 docs/source/performance.md (A100, llama-70b tp4, batch 1, input 128):
     first-token latency 47 ms, i.e. a 128-token prefill.
   - The draft (Llama-2-7B) at c = draft step / target step ~ 0.22 when sharded over the same
-    four GPUs (the figure issue 8 quotes from speculative-decoding serving reports; the old
-    roofline gave 0.13): 6.4 ms at batch 1, which is also its latency floor (32 layers of
+    four GPUs (the figure speculative-decoding serving reports give; the datasheet roofline,
+    `engine/hardware.py`, gives 0.13): 6.4 ms at batch 1, which is also its latency floor (32 layers of
     kernel launches and two all-reduces each do not get cheaper with fewer FLOPs). Whole on one
     A100 the 7B reads 13.5 GB of weights per step: 13.5 GB / (2.04 TB/s x 0.9 achieved) = 7.4 ms
     plus launches, ~9.5 ms (derived, not a published point: c ~ 0.33).
@@ -61,8 +61,8 @@ class FittedStepCost:
 
     def mismatched(self, m: float) -> "FittedStepCost":
         """What an engine believes if it prices the draft (1 + m) times what it costs (every
-        draft term and the floor; c off by the same factor, the error issue 8 found in the old
-        model); the target as it is. m = 0: the truth."""
+        draft term and the floor; c off by the same factor, the kind of error a datasheet
+        roofline makes); the target as it is. m = 0: the truth."""
         if m == 0:
             return self
         s = 1.0 + m

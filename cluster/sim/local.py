@@ -52,8 +52,8 @@ def add_arguments(parser) -> None:
 
 
 # measured requests a simulated load runs at least (open loop: bench serve's windows repeated
-# until they hold as many): the p95 of 60 moved by 10-20% from one seed to the next (users 1:
-# 0.56-0.64 s; Poisson 10: 1.17-1.47 s), as much as the check's tolerance
+# until they hold as many): with a few dozen, the p95 moves from one seed to the next by about
+# as much as the check's 20% tolerance
 SIM_REQUESTS = 2000
 
 # bench serve's policies: (the simulator's policy, the plan bench serve's endpoint selects)

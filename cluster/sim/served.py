@@ -63,9 +63,8 @@ def window_level(bench: dict, learnt: dict, policy: str, load_kind: str, load: f
     """`learnt` (a policy's readings batch by batch, `bench_learnt`) at the level of this
     policy's own windows at this load: each step factor times what those windows read over
     what the batch-by-batch curve gives at their mean batch. The machine's speed drifts
-    within a run (reference-py, session 32: the served steps took 1.2-1.6x their profile in
-    the closed-loop windows, 1.6-2.2x in the Poisson windows twenty minutes later), so the
-    curve keeps the shape across batches and the window its level."""
+    within a run, up to 2x between windows minutes apart (docs/benchmarks.md, check 1), so
+    the curve keeps the shape across batches and the window its level."""
     out = dict(learnt)
     for key in ("target_factor", "draft_factor"):
         if not learnt.get(key):
@@ -82,9 +81,9 @@ def window_level(bench: dict, learnt: dict, policy: str, load_kind: str, load: f
 
 
 def _batch_class(running: float) -> int:
-    """A window's batch as the power of two nearest its mean (log scale): windows at 31.3 and
-    31.6 sequences read 2.5 and 1.8x in session 32 (the machine's speed, not the batch), and
-    keyed 31 and 32 they made a curve that fell by a quarter in one sequence."""
+    """A window's batch as the power of two nearest its mean (log scale): two windows at
+    nearly the same mean batch can read factors far apart (the machine's speed, not the
+    batch), and keyed apart they would make a curve that falls steeply within one sequence."""
     return 2 ** max(0, round(math.log2(max(running, 1.0))))
 
 
@@ -99,8 +98,8 @@ def bench_learnt(bench: dict, policy: str | None = None) -> dict:
     policy's runs, as {batch size: median}, the batch the window's mean of running sequences
     (else its peak) to the nearest power of two; for a policy whose requests draft (DRAFTING), from the windows of every
     such policy in which the draft ran (they share one engine state). Each grows or shrinks
-    with the batch (reference-py, one thread: the draft's price factor 1.1-1.3 at 1-4
-    sequences, 2.0-2.5 at 16-32; notes/issue8.md, session 31)."""
+    with the batch (the served draft's price factor grows with it:
+    docs/decisions/0010-cost-calibration.md)."""
     runs = bench.get("runs", [])
     values = _window_values
     draft_keys = ("spec_scale", "draft_factor")

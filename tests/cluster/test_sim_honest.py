@@ -67,8 +67,8 @@ def test_an_engine_that_believes_drafting_does_not_pay_probes_and_learns_that_it
     """Priced at 10x its cost (30 ms a draft round against a 20 ms target step), drafting never
     pays by the belief, and it moves only with drafting steps: the engine's probes (`DraftProbe`)
     draft now and then, the step after a probe's catch-up is calibrated, and the learnt price
-    (a quarter, CAL_SCALE_RANGE's floor) drafts. Without probes the engine stayed at plain
-    decoding for good (issue 8: the 70B scenario at mismatch +0.3, sharded draft, 20 users)."""
+    (a quarter, CAL_SCALE_RANGE's floor) drafts. Without probes the engine stays at plain
+    decoding for good (docs/decisions/0010-cost-calibration.md)."""
     mix = fixed_mix(0.75)
     base = simulate(replica(LINEAR, draft=False), None, "baseline", LONG, mix, 1, seed=0).row()
     dear = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(30e-3, 0.0, 0.0))
@@ -192,8 +192,7 @@ def _decode_seqs(estimates: list[tuple[int, int]], speculative: int) -> list:
 def test_the_simulated_engine_keeps_the_engines_min_gain_and_never_splits_a_batch():
     """k by the engine's rule (`engine_choose_k`): drafting only at MIN_GAIN over plain
     decoding (MIN_GAIN_ALONE for a sequence alone), and a batch never split into drafting and
-    not (the ones left out finish later and alone). The simulated engine used to solve goodput
-    without either."""
+    not (the ones left out finish later and alone), not goodput without either."""
     from cluster.sim.replica import Replica
     from engine.cost_model import choose_k
 
@@ -222,7 +221,7 @@ def test_a_simulated_draft_reads_its_prompt_in_its_first_drafting_step():
     """As in the engine (`LLMEngine.step`: a draft that never ran feeds the whole context in
     the sequence's first drafting step), the prompt step is the target's alone and the draft's
     reading of the prompt is priced into the step that first drafts (`catch_up_prices`) and
-    timed there. The simulated engine used to prefill the draft in the prompt's step."""
+    timed there, not in the prompt's step."""
     from cluster.sim.replica import Replica, Seq
     from cluster.sim.scenarios import RequestSpec
 
@@ -270,10 +269,8 @@ def test_the_simulated_engine_prices_the_draft_from_its_timed_rounds_as_the_engi
     """The engine times a step's draft rounds and verify forward apart (`CalibratedCost`,
     draft_excess), and the simulator's engines calibrate on the same split of the true step
     time: a draft dearer than believed is learnt as the draft's price. (A joint fit on the
-    step's total, the simulator's before, confused the two where the truth's draft price moves
-    with the batch: on local-cpu at 32 users it learnt a 1.06x draft and 0.68 ms a sequence
-    where the truth was 2.2x and 0.12 ms, drafted k = 5-8, and put the p95 at 1.38x the
-    measured.)"""
+    step's total confuses the two where the truth's draft price moves with the batch:
+    docs/decisions/0010-cost-calibration.md.)"""
     from engine.cost_model import CalibratedCost
 
     seen = []

@@ -31,8 +31,8 @@ def test_up_refuses_a_bad_direct_port_before_starting_ray(tiny_family, tmp_path,
 def test_a_port_a_stopped_server_just_closed_is_free_to_serve_on():
     """`specserve up` right after a stop: the old server's closed connections linger on the
     port in TIME_WAIT for a minute, and a server that sets SO_REUSEADDR (uvicorn, Serve's
-    ingress) binds it at once; the launcher's check refused it (exit 2) until the minute
-    passed (session 29), while a port that something listens on stays refused."""
+    ingress) binds it at once; so does the launcher's check, while a port that something
+    listens on stays refused."""
     import socket
 
     from cluster.launch.up import _port_free

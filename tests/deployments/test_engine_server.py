@@ -217,7 +217,7 @@ def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
 
 
 def test_a_tier_runs_its_engine_in_a_process_of_its_own_unless_told(small, tiny_family):
-    """The default since session 24: the step loop in a child process where tp_size is 1 (a
+    """The default: the step loop in a child process where tp_size is 1 (a
     tensor-parallel target's rank 0 drives its peers in the replica's process)."""
     import os
 

@@ -1,4 +1,4 @@
-"""Faults on the real local cluster (issue 9): requests in flight end clearly, service resumes.
+"""Faults on the real local cluster: requests in flight end clearly, service resumes.
 
 The target is TP = 2 with a draft whose KV shape differs from the target's (the production
 layout), next to a small tier. Three real faults, each mid-stream:
@@ -24,9 +24,8 @@ from serving_helpers import MODEL, served_app
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 # A replacement replica must serve within this: a dead rank fails the health check (every 5 s),
-# then Serve starts a new replica, whose ranks spawn and load the models. 30 s was exceeded once
-# on a clean-clone CI run (the replacement registered 32 s after the kill, 2-core machine in a
-# slow phase).
+# then Serve starts a new replica, whose ranks spawn and load the models. On a 2-core machine
+# in a slow phase that can take a little over 30 s.
 RECOVERY_S = 60.0
 PROMPT = "def add(a, b):"
 

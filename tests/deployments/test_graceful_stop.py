@@ -1,5 +1,5 @@
 """`specserve up` stops gracefully: SIGTERM mid-stream lets the stream finish, refuses new work
-with 503 + Retry-After, tears down and exits 0 without a fatal-signal stack dump (issue 9).
+with 503 + Retry-After, tears down and exits 0 without a fatal-signal stack dump.
 
 Runs the real command in a subprocess on the tiny family (a config with explicit model paths,
 so no demo family is built), with its own Ray token file.
@@ -50,7 +50,7 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float) -
 def test_sigterm_drains_the_stream_and_exits_0(long_family, tmp_path, exported):
     """`exported`: the user exported RAY_SERVE_THROUGHPUT_OPTIMIZED=1, so `specserve up`'s own
     process runs Serve's handles in that mode too (their router on the caller's event loop,
-    which refused the drain's plain `.result()` calls: the drain was skipped)."""
+    which refuses plain `.result()` calls: a drain made of them would be skipped)."""
     port = free_port()
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_TOKEN_PATH": str(tmp_path / "token")}

@@ -1,4 +1,4 @@
-"""Issue 11 on one real local Ray cluster: live keys, limits with 429 and headers, the usage
+"""Pricing as a product on one real local Ray cluster: live keys, limits with 429 and headers, the usage
 ledger against the responses (exact), a disconnected stream billed for what it ran, and an
 ingress replica killed mid-run losing no record of a completed response."""
 

@@ -1,6 +1,6 @@
 """A prompt the tokenizer or the chat template refuses is the caller's 400, not a replica failure
-(issue 9: a lone surrogate reached the replica and came back as 503 `replica_failed` with
-Retry-After, so clients retried a bad request forever). No Ray: the replica class alone."""
+(a 503 `replica_failed` with Retry-After would have clients retry a bad request, a lone
+surrogate say, forever). No Ray: the replica class alone."""
 
 from __future__ import annotations
 

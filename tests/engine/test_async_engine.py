@@ -93,7 +93,7 @@ def test_a_failed_request_gets_an_error_and_the_engine_serves_on(aengine):
 
 def test_a_new_request_never_blocks_the_event_loop_behind_a_step(thread_engine):
     """While a step holds the engine lock, `generate` queues its request and the event loop runs
-    on (it used to take the lock itself, blocking every stream of the replica behind the step)."""
+    on (taking the lock itself would block every stream of the replica behind the step)."""
     import threading
 
     aengine = thread_engine
@@ -145,8 +145,8 @@ def test_outputs_that_pile_up_go_out_as_one_with_nothing_lost(aengine):
 
 
 def test_stats_report_the_kv_peak_of_the_last_seconds_not_only_the_moment(tiny_family, monkeypatch):
-    """A request that came and went between two reports still shows in the KV peaks (the
-    bench's /health samples read 0 for a short run's draft KV once, session 22), and the peaks
+    """A request that came and went between two reports still shows in the KV peaks (a
+    bench sampling /health would otherwise read 0 for a short run's draft KV), and the peaks
     forget it once it is older than the window."""
     import engine.llm_engine as llm_engine
     from engine.llm_engine import LLMEngine

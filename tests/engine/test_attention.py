@@ -191,8 +191,8 @@ def test_the_kernel_equals_its_reference(dtype, heads, kv_heads, d, block, draft
 
 
 def test_the_kernel_refuses_a_pool_laid_out_otherwise():
-    """The kernel reads raw memory by the pool's strides: keys token-major (the layout before
-    session 27) are refused, not misread."""
+    """The kernel reads raw memory by the pool's strides: keys laid out token-major instead of
+    d-major are refused, not misread."""
     q = torch.randn(2, HEADS, D)
     k, v = torch.randn(2, 16, 1, 4, KV_HEADS, D).unbind(0)
     with pytest.raises(ValueError, match="not laid out"):
@@ -322,7 +322,7 @@ def test_prompt_pieces_do_not_depend_on_the_chunks(dtype, heads, kv_heads, d, n,
         assert torch.equal(run([0] + cuts + [n], align), whole), cuts
         moved += not torch.equal(run([0] + cuts + [n], 1 << 30), run([0, n], 1 << 30))
     # The test's power: chunk-wide SDPA calls do move rows, so equality above is the pieces'
-    # doing. On AVX2 CPUs they move at both shapes; on an AVX512/AMX Xeon (session 24) torch's
-    # SDPA kept the 300-token prompt's rows at every cut, so the check is made where both move.
+    # doing. On AVX2 CPUs they move at both shapes; on an AVX512/AMX Xeon torch's SDPA keeps
+    # the 300-token prompt's rows at every cut, so the check is made where both move.
     if n >= 700:
         assert moved > 0

@@ -126,7 +126,8 @@ def test_choose_k_zero_when_it_does_not_pay():
 
 def test_a_draft_that_must_catch_up_drafts_only_where_its_tokens_pay_for_that_too():
     """A sequence whose draft skipped tokens pays for feeding them when it drafts again
-    (session 21: at batch 32, estimates at break-even restarted the batch in bursts)."""
+    (unpriced, estimates at break-even restart the whole batch in bursts:
+    docs/decisions/0009-k-rule.md)."""
     a, n = 0.8, 8
     on_time = choose_k([a] * n, [4] * n, LINEAR, max_slowdown=None)
     assert all(on_time) and choose_k([a] * n, [4] * n, LINEAR, max_slowdown=None,
@@ -230,8 +231,8 @@ def test_a_timed_drafting_step_charges_the_draft_its_rounds_and_its_share_of_the
     """With the step's draft rounds and verify forward timed apart (the engine's steps), the
     draft is priced from them and a fixed cost outside both (under serving: the replica's event
     loop, the proxy and the client taking the cores) goes on every sequence. Untimed, an
-    all-speculative load, which never runs a plain step, put that cost on the draft: its price
-    sat at the ceiling (notes/issue8.md, session 15)."""
+    all-speculative load, which never runs a plain step, puts that cost on the draft, whose
+    price then sits at the ceiling (docs/decisions/0010-cost-calibration.md)."""
     from engine.cost_model import CAL_SCALE_RANGE, CalibratedCost, LinearCost, LinearStepCost
 
     base = LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(1e-4, 1e-6, 1e-7))
@@ -300,8 +301,8 @@ def test_the_engine_does_not_calibrate_on_a_step_in_which_the_draft_prefills(mak
 
 def test_a_fixed_excess_at_a_small_batch_is_not_priced_per_sequence_at_a_large_one():
     """draft_excess's per_seq_s weights plain steps by their batch: a draining batch of 2 that
-    runs 2 ms over the table must not price every sequence of a batch of 32 at 1 ms (the
-    EWMA of residual / n did: at one thread a 21.5 ms step was priced at 49.6 ms)."""
+    runs 2 ms over the table must not price every sequence of a batch of 32 at 1 ms, as an
+    EWMA of residual / n would (docs/decisions/0010-cost-calibration.md)."""
     from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost, step_s
 
     base = LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(1e-4, 1e-6, 1e-7))
@@ -400,8 +401,8 @@ def _linear_engine(make_engine):
 
 def test_the_engine_spreads_a_catch_up_over_the_steps_the_sequence_has_left(make_engine):
     """The same catch-up is worth paying for a sequence with many tokens left and not for one
-    about to finish (session 22: a straggler stopped at batch 16 lagged further every step,
-    and with the price spread over a fixed 8 steps never drafted again, even alone)."""
+    about to finish (a straggler whose catch-up is spread over a fixed few steps lags further
+    every step and never drafts again, even alone: docs/decisions/0009-k-rule.md)."""
     from engine.cost_model import PAYBACK_STEPS
 
     engine = _linear_engine(make_engine)
@@ -465,8 +466,8 @@ def test_a_sequence_alone_drafts_from_min_gain_alone(make_engine):
 def test_no_split_drafts_every_speculative_sequence_or_none():
     """With no_split, a sequence whose acceptance alone would not pay drafts one token when the
     rest of the batch drafts (a batch split into drafting and not leaves the non-drafting ones
-    to finish alone: session 22, batch 16 at 0.87-0.91x plain decoding); baseline-mode
-    sequences (k_max 0) still never draft."""
+    to finish alone: docs/decisions/0009-k-rule.md); baseline-mode sequences (k_max 0) still
+    never draft."""
     accs, caps = [0.9] * 7 + [0.0], [4] * 8
     split = choose_k(accs, caps, LINEAR, max_slowdown=None)
     assert all(split[:7]) and split[7] == 0

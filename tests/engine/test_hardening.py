@@ -1,6 +1,5 @@
-"""Issue 9, engine half: bad values are refused, no request is lost, a fault hurts only its step.
-
-Each test here failed on the code before the fix (see notes/issue9-engine.md).
+"""The engine's hardening: bad values are refused, no request is lost, a fault hurts only its
+step. Each test guards one defect and fails with it put back.
 """
 
 import dataclasses

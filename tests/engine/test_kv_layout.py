@@ -61,8 +61,8 @@ def test_a_sequence_of_consecutive_blocks_is_one_run_per_layer():
 def test_a_heads_keys_of_a_block_are_one_run(target, draft):
     """Within a block, each KV head's keys (and values) of its tokens lie together, head after
     head, as vLLM's CPU cache lays them: the fused attention kernel reads a head's tokens of a
-    block front to back instead of 1/heads of every token row (batch 32, 192 keys, bf16, AMX
-    Xeon: 0.72x the kernel's time; 400 keys 0.62x; notes/issue10.md, session 25)."""
+    block front to back instead of 1/heads of every token row
+    (docs/decisions/0002-kv-pool-layout.md)."""
     pool = BlockPool(1 << 20, target, 4, torch.float32, "cpu", draft)
     for layout in filter(None, (pool.target, pool.draft)):
         for kc, vc in pool.layers(layout):
@@ -71,7 +71,7 @@ def test_a_heads_keys_of_a_block_are_one_run(target, draft):
                     assert _one_run(t[3, 0, :, h])                # [tokens_per_chunk, head_dim]
             # values row by row (the next token, same head, one row on); keys d-major (the
             # next token is the next element, the next dim a chunk's tokens on), so that the
-            # kernel scores a vector of keys at once (session 27)
+            # kernel scores a vector of keys at once (engine/cpu_attention.py)
             per_chunk = kc.shape[2]
             assert vc.stride(2) == layout.head_dim and vc.stride(4) == 1
             assert kc.stride(2) == 1 and kc.stride(4) == per_chunk

@@ -2,9 +2,9 @@
 
 Where the token budget cuts a prompt depends on what else runs in the step (decode tokens,
 verify tokens, other prompts), so it depends on the load. If the prompt's KV depended on the cut,
-a request's output would depend on the load at near-ties: greedy speculative output stopped
-equalling plain decoding on reference-py-deep at batch 32 this way (notes/issue10.md, session
-12), and seeded requests would not be reproducible under load.
+a request's output would depend on the load at near-ties: greedy speculative output would not
+equal plain decoding, and seeded requests would not be reproducible under load
+(docs/decisions/0007-prefill-alignment.md).
 """
 
 import random

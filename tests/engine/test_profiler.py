@@ -24,10 +24,10 @@ class _SlowSpell:
 
 
 def test_a_slow_spell_prices_no_point_of_the_grid(make_engine):
-    """Timed point after point (the code before session 19), a spell as long as two points'
-    runs lifted those two points by the whole spell (red: their medians ~SPELL_S); timed in
-    passes over the grid it touches each point once or twice among WARMUP + REPEATS runs, and
-    the medians keep the true forward times."""
+    """Timed point after point, a spell as long as two points' runs would lift those two
+    points by the whole spell (their medians ~SPELL_S); timed in passes over the grid it
+    touches each point once or twice among WARMUP + REPEATS runs, and the medians keep the
+    true forward times."""
     engine = make_engine(profile=False)
     grid = [(n, q) for n in (1, 2, 4) for q in (1, 2, 3)]
     runs = WARMUP + REPEATS

@@ -1,4 +1,4 @@
-"""Guards written against injected bugs that the older tests let through (issue 9):
+"""Guards against bugs that the statistical and greedy tests alone would let through:
 
 - reusing the first draft round's q for later positions (needs steps with k >= 2);
 - drawing the accept decisions from the global RNG instead of the request's generator;

@@ -4,9 +4,9 @@ from fractions import Fraction
 
 import pytest
 
-from router.billing import RunCounts, billed_usage, price_micro_usd
+from router.billing import RunCounts, billed_usage, price_micro_usd, usd_text
 from router.config import AppConfig
-from router.pricing import check_speculation
+from router.plans import check_speculation
 from router.openai_schema import HTTPError
 
 PRICES = AppConfig.model_validate({"target": {"model": "/m"}}).prices   # 3/15, 1/5, 0.1/0.4
@@ -58,3 +58,17 @@ def test_speculation_on_needs_a_plan_that_pays_for_it(plan, allowed):
         with pytest.raises(HTTPError) as err:
             check_speculation(plan, "on")
         assert err.value.status == 403 and err.value.code == "speculation_not_in_plan"
+
+
+def test_default_prices_rank_the_tiers_and_read_as_micro_dollars_per_token():
+    assert price_micro_usd(PRICES, RunCounts("baseline", 1_000_000, 0)) == 1_000_000
+    assert price_micro_usd(PRICES, RunCounts("speculative", 1_000_000, 1, 1)) == 3_000_015
+    small, baseline, spec = (price_micro_usd(PRICES, RunCounts(t, 100, 100, n))
+                             for t, n in (("small", 0), ("baseline", 0), ("speculative", 100)))
+    assert small < baseline < spec
+
+
+def test_usd_text_is_exact():
+    assert usd_text(140) == "0.000140"
+    assert usd_text(12_345_678_901) == "12345.678901"
+    assert usd_text(0) == "0.000000" and usd_text(-5) == "-0.000005"

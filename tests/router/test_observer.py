@@ -151,11 +151,12 @@ def test_health_shows_what_the_replicas_learnt_beyond_their_profile():
 
 
 def test_the_policy_sees_the_draft_price_at_its_recent_median():
-    """The draft's price factor the engine learns swings within seconds under serving (1.0-3.5x
-    at steady acceptance, notes/issue8.md): the cluster's view takes its recent median, so one
-    spike does not move it; a change that lasts does; a replica that left is forgotten. Auto's
-    per-request test prices drafting at the profile (`router/policy.py`), so neither sends its
-    requests to baseline: a dear draft is the engine's to act on, step by step."""
+    """The draft's price factor the engine learns swings within seconds under serving, at
+    steady acceptance (docs/decisions/0017-tier-policy.md): the cluster's view takes its recent
+    median, so one spike does not move it; a change that lasts does; a replica that left is
+    forgotten. Auto's per-request test prices drafting at the profile (`router/policy.py`), so
+    neither sends its requests to baseline: a dear draft is the engine's to act on, step by
+    step."""
     cost = CalibratedCost(LinearStepCost(LinearCost(1e-3, 1e-5, 1e-6), LinearCost(3e-4, 1e-6, 1e-7)),
                           2e-4)
 

@@ -80,8 +80,8 @@ def test_auto_speculates_at_any_batch_where_its_class_pays():
     """No load gate: where the predicted gain of the whole batch speculating falls to 1
     (verification dear, a large batch), auto still sends a request whose class pays alone to
     the speculative tier, where the engine's adaptive k decides each step whether to draft.
-    The gate this replaced (`batch_large`) sent such requests to baseline where the engine's
-    k still gained (seed-4xa100, 40 users: 6% lost; notes/issue8.md, session 23)."""
+    A batch-level gate would send such requests to baseline where the engine's k still gains
+    (docs/decisions/0017-tier-policy.md)."""
     swept = 0
     for b in range(0, 300, 10):
         s = cluster(cost=LINEAR, decode_batch_size=b, context_tokens=b * 500)
@@ -90,7 +90,7 @@ def test_auto_speculates_at_any_batch_where_its_class_pays():
         d = choose_tier(req(), s, PolicyState())
         assert alone >= PolicyConfig().min_gain
         assert (d.tier, d.reason, d.k_max) == ("speculative", "speculation_pays", PolicyConfig().k_max)
-        swept += batch_gain < 1.02          # where the old gate stopped speculating
+        swept += batch_gain < 1.02          # where a batch-level gate would stop speculating
     assert swept, "no batch in the sweep where the batch's predicted gain is below 1.02"
     # what is per request stays: a class whose drafts do not pay even alone goes to baseline
     s = cluster(cost=LINEAR, acceptance_by_class={"chat": 0.05})
@@ -101,10 +101,9 @@ def test_auto_speculates_at_any_batch_where_its_class_pays():
 def test_a_draft_price_learnt_under_load_does_not_lock_auto_out():
     """Auto's per-request test prices drafting at the replica's profile, not at the price the
     replica learnt under load (`CalibratedCost.spec_scale`). Priced with a learnt 4x, a lone
-    request looked unpaying, every auto request went to baseline as `acceptance_low`, nothing
-    drafted, the price was never measured again, and auto delivered 0.88-0.89x of always
-    speculating at 8 and 32 users through HTTP (notes/issue8.md, session 26). A draft whose
-    acceptance does not pay on the profile still goes to baseline."""
+    request looks unpaying, every auto request goes to baseline as `acceptance_low`, nothing
+    drafts, and the price is never measured again (docs/decisions/0017-tier-policy.md). A
+    draft whose acceptance does not pay on the profile still goes to baseline."""
     from engine.cost_model import CalibratedCost
 
     base = LinearStepCost(LinearCost(4e-3, 1e-5, 1e-7), LinearCost(1e-3, 1e-6, 1e-8))

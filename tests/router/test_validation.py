@@ -1,6 +1,6 @@
 """The edge's request validation without Ray: bytes -> JSON -> strict model, every bound a 400.
 
-Each case here was accepted (or crashed) before the edge was made strict and bounded (issue 9).
+Each case here is one an edge that is not strict and bounded accepts (or crashes on).
 """
 
 from __future__ import annotations
