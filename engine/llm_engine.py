@@ -245,7 +245,7 @@ class LLMEngine:
         timed apart by `step`) and puts what every step costs beyond that and the table on
         every sequence (`engine/cost_model.py` says why the draft is not priced per sequence).
         Steps in which a draft caught up on a prompt (a prefill) are not passed here (`step`):
-        timed as decode steps, they priced drafting at several times its cost.
+        timed as decode steps, they would price drafting at several times its cost.
         """
         if any(it.num_feed != 1 or it.prefill_align for it in items):   # decode steps only
             return

@@ -4,8 +4,8 @@ Owns: which sequences run in the next step, how many of their tokens are fed (pr
 how many draft tokens each proposes (k, from the adaptive rule), and the blocks for all of it.
 Requests join and leave between steps. Does not own: the forward passes or sampling.
 
-Memory rule (DESIGN.md, "Memory is a budget"): a step only runs when every block it writes is
-allocated. When blocks run short the scheduler first drops speculation for the lowest-priority
+Memory rule (docs/architecture.md; why: docs/decisions/0001-draft-kv-in-one-budget.md): a step
+only runs when every block it writes is allocated. When blocks run short the scheduler first drops speculation for the lowest-priority
 sequences (k = 0, draft KV freed, mode -> baseline for good), and only then preempts the
 lowest-priority sequences (all KV freed; they are prefilled again later, with the same tokens).
 New speculative requests are admitted as baseline when headroom is low. Nothing allocates
@@ -51,8 +51,8 @@ class SchedulerLimits:
     # treats the decoding batch; the new request's first token waits for that step:
     #   "mixed": the batch decodes and drafts in it as in any step (throughput first);
     #   "no_draft": the batch decodes but runs no draft rounds, which would lengthen the step by
-    #     up to k forwards of the draft plus a verify of k + 1 tokens a sequence. Through HTTP
-    #     (reference-py, 16 streams) TTFT p50 224 -> 148 ms but 478 -> 410 tok/s;
+    #     up to k forwards of the draft plus a verify of k + 1 tokens a sequence
+    #     (docs/decisions/0008-prefill-mode.md);
     #   "alone": the prompts run in a step of their own, as SGLang's prefill batches and vLLM's
     #     V0 scheduler: the first token waits for the step under way and a short prefill, not for
     #     a speculative step of the whole batch. The batch sits out that step (never two in a

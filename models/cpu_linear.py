@@ -24,7 +24,7 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")
 
 
 def cpu_kernel(dtype: torch.dtype = torch.float32) -> str:
-    """How projections run on CPU:
+    """How projections run on CPU (docs/decisions/0005-onednn-row-plans.md):
 
     - "onednn": oneDNN with weights prepacked once (the kernel torch.compile's CPU backend
       uses). Each output row is computed the same way at the row counts its `RowPlan` keeps
@@ -50,7 +50,8 @@ def onednn_rows(rows: int) -> int:
     oneDNN builds a kernel for each new input shape (about ten times a cached call's cost) and a
     speculative or chunked-prefill batch brings a new row count nearly every step; bucketed, a
     model's ~72 row counts up to 2048 stay cached. A row's output does not depend on the other
-    rows (`cpu_kernel`), so the padding changes no bit of it (tests)."""
+    rows (`cpu_kernel`), so the padding changes no bit of it (tests;
+    docs/decisions/0005-onednn-row-plans.md)."""
     if rows <= EXACT_ROWS:
         return rows
     step = 1 << max(0, rows.bit_length() - 4)          # 8 steps in (2^(e-1), 2^e]
@@ -89,7 +90,7 @@ class RowPlan:
     def __init__(self, run, width: int, dtype: torch.dtype, max_rows: int):
         buckets = sorted({onednn_rows(m) for m in range(1, max_rows + 1)})
         # heavy-tailed rows: sums that cancel, so that a changed order shows in the rounded
-        # output (with plain normal rows one 48-row call in three looked exact when it was not)
+        # output (plain normal rows miss most such changes: docs/decisions/0005-onednn-row-plans.md)
         g = torch.Generator().manual_seed(0)
         x = (torch.randn(max(max_rows, ALONE_ROWS), width, generator=g)
              * torch.exp(2 * torch.randn(max(max_rows, ALONE_ROWS), width, generator=g))).to(dtype)
