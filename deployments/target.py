@@ -20,20 +20,20 @@ class TargetServer(EngineServer):
 
     def __init__(self, tier: TierModelConfig, engine_class: str = ENGINE_CLASS,
                  stats_period_s: float = 1.0, tp_worker_class: str = TP_WORKER_CLASS):
+        from engine.tp_worker import rank_options
+
         config = tier.engine_config()
         # Ranks 1..N-1 start in bundles 1..N-1 and wait in the rendezvous; `peers()` joins this
         # process as rank 0. The engine then hands every rank its pool layout (tokens per block,
         # which the draft's KV shape sets, and block count), so block ids mean the same slots.
         self.tp_group = TPGroup.start(
-            tier.tp_size,
-            worker_kwargs={"target": config.target, "dtype": config.dtype, "device": config.device,
-                           "attention": config.attention},
+            tier.tp_size, worker_kwargs=rank_options(config),
             num_cpus=tier.num_cpus_per_rank, num_gpus=tier.num_gpus_per_rank,
-            num_threads=tier.num_threads, worker_path=tp_worker_class)
+            worker_path=tp_worker_class)
         super().__init__(tier, engine_class, stats_period_s,
                          peers=self.tp_group.peers(config.device))
         self.tp_group.wait_ready()
-        self.tp_group.watch()
+        self.tp_group.watch(engine_alive=lambda: self.engine_alive)
 
     def check_health(self) -> None:
         if self.tp_group.failed:

@@ -42,15 +42,11 @@ class RankActor:
     """Hosts one `TPWorker` (rank >= 1) and runs its methods on request."""
 
     def __init__(self, worker_path: str, rank: int, world_size: int, init_method: str,
-                 num_threads: int, worker_kwargs: dict):
-        import torch
-
-        torch.set_num_threads(num_threads)
+                 worker_kwargs: dict):
         self.rank = rank
         # Blocks in the process-group rendezvous until rank 0 joins, then loads its shard.
         self.worker = import_object(worker_path)(rank=rank, world=world_size,
-                                                 init_method=init_method,
-                                                 num_threads=num_threads, **worker_kwargs)
+                                                 init_method=init_method, **worker_kwargs)
 
     def ping(self) -> int:
         return self.rank
@@ -59,7 +55,12 @@ class RankActor:
         return os.getpid()
 
     def call(self, method: str, *args, **kwargs) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        except Exception:
+            if getattr(self.worker, "failed", None):    # a forward failed: the group is
+                threading.Timer(0.2, _exit_now, ("rank failed",)).start()   # broken; leave
+            raise                                       # (after the error reaches rank 0)
 
 
 class RayPeers:
@@ -85,13 +86,27 @@ class RayPeers:
         ray.get([a.call.remote("configure_pool", tokens_per_block, num_blocks, dtype)
                  for a in self.actors], timeout=self.timeout_s)
 
-    def launch(self, input_ids, positions, seqs) -> None:
-        seqs = [(s.block_table, s.num_cached, s.num_query) for s in seqs]
-        self._refs = [a.call.remote("run", input_ids, positions, seqs) for a in self.actors]
+    def launch(self, message: tuple) -> None:
+        """Start the forward `message` (`engine.model_runner.run_message`) on every rank."""
+        self._refs = [a.call.remote("run", *message) for a in self.actors]
 
     def wait(self) -> None:
         refs, self._refs = self._refs, []
         ray.get(refs, timeout=self.timeout_s)
+
+    def abort(self) -> None:
+        """Break rank 0's side of the group (ranks blocked in a collective fail at once)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+    def inject_fault(self, count: int = 1, after: int = 0) -> None:
+        """TEST ONLY: arm rank 1's mid-forward fault (engine/tp_worker.py, `TPWorker`)."""
+        ray.get(self.actors[0].call.remote("inject_fault", count, after), timeout=self.timeout_s)
 
 
 class TPGroup:
@@ -107,8 +122,7 @@ class TPGroup:
 
     @classmethod
     def start(cls, tp_size: int, worker_kwargs: dict, num_cpus: float = 1.0, num_gpus: float = 0.0,
-              num_threads: int = 1, timeout_s: float = 60.0,
-              worker_path: str = TP_WORKER_CLASS) -> "TPGroup":
+              timeout_s: float = 60.0, worker_path: str = TP_WORKER_CLASS) -> "TPGroup":
         """Start ranks 1..N-1 in bundles 1..N-1 of the replica's placement group.
 
         They block in the process-group rendezvous until rank 0 (the engine, in this process)
@@ -129,7 +143,7 @@ class TPGroup:
                 placement_group_capture_child_tasks=False)
             actors.append(RankActor.options(num_cpus=num_cpus, num_gpus=num_gpus,
                                             scheduling_strategy=strategy).remote(
-                worker_path, rank, tp_size, init_method, num_threads, worker_kwargs))
+                worker_path, rank, tp_size, init_method, worker_kwargs))
         logger.info("started TP ranks 1..%d at %s", tp_size - 1, init_method)
         return cls(tp_size, actors, init_method, timeout_s)
 
@@ -159,9 +173,12 @@ class TPGroup:
             raise RuntimeError(f"a TP rank did not answer a ping within {timeout_s}s")
         ray.get(ready)       # raises RayActorError for a dead rank
 
-    def watch(self, period_s: float = 1.0, on_failure: Callable[[str], None] | None = None) -> None:
-        """Ping the ranks from a daemon thread; on the first failure call `on_failure`
-        (default: exit this process at once, so Serve replaces the whole group)."""
+    def watch(self, period_s: float = 1.0, on_failure: Callable[[str], None] | None = None,
+              engine_alive: Callable[[], bool] | None = None) -> None:
+        """Ping the ranks from a daemon thread; on the first failure (a rank lost, or the engine
+        stopped, as it does when a forward failed on some rank) call `on_failure` (default:
+        exit this process, so Serve replaces the whole group). A stopped engine is given one
+        period first, for its streams' errors to reach their callers."""
         if not self.actors:
             return
         on_failure = on_failure or _exit_now
@@ -169,9 +186,12 @@ class TPGroup:
         def loop():
             while not self._stop.wait(period_s):
                 try:
+                    if engine_alive is not None and not engine_alive():
+                        self._stop.wait(period_s)
+                        raise RuntimeError("the engine stopped (a forward failed on a rank)")
                     self.check(timeout_s=max(5.0, period_s))
                 except Exception as exc:   # RayActorError, GetTimeoutError, ...
-                    self.failed = f"TP rank lost: {exc}"
+                    self.failed = f"TP group lost: {exc}"
                     logger.error("%s; leaving so Serve rebuilds the group", self.failed)
                     on_failure(self.failed)
                     return

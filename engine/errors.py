@@ -23,3 +23,8 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed while running this request (it was stopped; the engine serves on)."""
+
+
+class TPGroupError(RuntimeError):
+    """A forward failed on some rank of a tensor-parallel group. The ranks' collectives may be
+    out of step, so the group never serves again: the engine stops and the replica is rebuilt."""

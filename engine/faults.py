@@ -6,14 +6,16 @@ and target runners in `FaultyRunner`, and `LLMEngine.inject_fault("draft_raise",
 `"target_raise"`) makes the next n forwards of that model raise `InjectedFault` from inside the
 forward call, exactly where a real device error would surface. `"engine_crash"` raises at the
 start of the next `LLMEngine.step`, outside its per-step isolation, so the async engine's loop
-dies (a stand-in for a bug in the scheduler).
+dies (a stand-in for a bug in the scheduler). `"rank_raise"` arms rank 1 of a tensor-parallel
+target (`engine/tp_worker.py`): its next forward raises in the middle, between two layers'
+all-reduces, as a device error on that GPU would.
 The fault tests use them to check that speculation degrades to baseline and that a dead engine
 fails its health check and stops receiving traffic.
 """
 
 from __future__ import annotations
 
-KINDS = ("draft_raise", "target_raise", "engine_crash")
+KINDS = ("draft_raise", "target_raise", "engine_crash", "rank_raise")
 
 
 class InjectedFault(RuntimeError):

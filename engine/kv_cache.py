@@ -117,6 +117,9 @@ class BlockPool:
         if resident:
             self.pool.zero_()
         self._free = bytearray(b"\x01") * self.num_blocks     # 1 = free
+        # blocks handed out since `take_zeroed` last ran (None: nobody asks): the other ranks of
+        # a tensor-parallel group zero the same blocks of their own pools before the next forward
+        self._zeroed: list[int] | None = None
         self.num_free = self.num_blocks
         self.used_by = {"target": 0, "draft": 0}
 
@@ -164,6 +167,8 @@ class BlockPool:
             self.pool[:, blocks[0]].zero_()
         else:
             self.pool.index_fill_(1, torch.tensor(blocks, device=self.pool.device), 0)
+        if self._zeroed is not None:
+            self._zeroed.extend(blocks)
         self.num_free -= n
         self.used_by[owner] += n
         return blocks
@@ -199,6 +204,16 @@ class BlockPool:
             self._free[b] = 0          # provisional, so find() moves on; set again by caller
             pos = b + 1
         return blocks
+
+    def take_zeroed(self) -> list[int]:
+        """The blocks zeroed since the last call (which starts the record), for other ranks."""
+        taken, self._zeroed = self._zeroed or [], []
+        return taken
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Zero these blocks, as `allocate` does (a rank whose allocator is rank 0's)."""
+        if blocks:
+            self.pool.index_fill_(1, torch.tensor(blocks, device=self.pool.device), 0)
 
     def free(self, blocks: list[int], owner: str) -> None:
         for b in blocks:

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, catch_up_prices, step_parts,
                                engine_choose_k)
 from engine.detokenizer import Detokenizer
-from engine.errors import EngineOverloadedError, PromptTooLongError
+from engine.errors import EngineOverloadedError, PromptTooLongError, TPGroupError
 from engine.faults import Faults, FaultyRunner
 from engine.kv_cache import BlockPool
 from engine.memory import kv_budget_bytes
@@ -68,7 +68,11 @@ class LLMEngine:
         if peers is not None:     # ranks 1..N-1 take this layout; they never re-derive it
             peers.configure_pool(pool.target.tokens_per_block, pool.num_blocks,
                                  str(self.target_fw.dtype).removeprefix("torch."))
-        self.target = ModelRunner(self.target_fw, pool.layers(pool.target), peers, config.attention)
+            pool.take_zeroed()    # from here on, the blocks zeroed here are zeroed there too
+        self.peers = peers
+        self.group_error: TPGroupError | None = None
+        self.target = ModelRunner(self.target_fw, pool.layers(pool.target), peers, config.attention,
+                                  zeroed=pool.take_zeroed if peers is not None else None)
         self.draft = (ModelRunner(self.draft_fw, pool.layers(pool.draft), attention=config.attention)
                       if self.draft_fw else None)
         self.faults = Faults() if config.fault_injection else None    # test-only hook
@@ -159,6 +163,11 @@ class LLMEngine:
         """TEST ONLY (EngineConfig.fault_injection): arm a real fault, see engine/faults.py."""
         if self.faults is None:
             raise RuntimeError("fault injection is off (EngineConfig.fault_injection)")
+        if kind == "rank_raise":
+            if self.peers is None:
+                raise ValueError("rank_raise needs a tensor-parallel target (tp_size > 1)")
+            self.peers.inject_fault(count, after)
+            return
         self.faults.arm(kind, count, after)
 
     def has_unfinished(self) -> bool:
@@ -178,6 +187,8 @@ class LLMEngine:
     def _step(self, start: float) -> list[RequestOutput]:
         if self.faults is not None:
             self.faults.fire("engine_crash")
+        if self.group_error is not None:
+            raise TPGroupError(f"the tensor-parallel group failed earlier: {self.group_error}")
         items = self.scheduler.schedule()
         # Sequences that outgrew the whole KV pool end with `length` and a final output.
         outputs = [self._output(seq, [], final=True) for seq in self.scheduler.take_truncated()]
@@ -195,6 +206,9 @@ class LLMEngine:
                             sum(len(it.seq.token_ids) for it in items))
         try:
             results, times = step(items, self.target, self.draft)
+        except TPGroupError as exc:   # the group is out of step: no request may run on it again
+            self.group_error = exc
+            raise
         except Exception as exc:
             return outputs + self._fail([it.seq for it in items], exc)
         self.metrics.data.num_steps += 1

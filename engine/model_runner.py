@@ -7,32 +7,52 @@ shard, and rank 0 (this process) reads the logits. Does not own: sampling or sch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from engine.attention import PagedAttention, SeqSlice
 from engine import cpu_attention, cpu_ops
+from engine.errors import TPGroupError
+
+
+def run_message(input_ids: list[int], positions: list[int], seqs: list[SeqSlice],
+                zero_blocks: list[int]) -> tuple:
+    """What rank 0 sends every other rank for one forward (`TPWorker.run` takes it as is):
+    the tokens, each sequence's slice, and the blocks rank 0 zeroed since the last forward."""
+    return (input_ids, positions,
+            [(s.block_table, s.num_cached, s.num_query, s.prefill_align) for s in seqs],
+            zero_blocks)
 
 
 class Peers(Protocol):
-    """The other ranks of a tensor-parallel group (see deployments/tp_group.py)."""
+    """The other ranks of a tensor-parallel group (`LocalPeers` in engine/tp_worker.py, `RayPeers`
+    in deployments/tp_group.py)."""
 
     def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
         """Give every rank rank 0's KV pool layout (called once, before the first forward);
         a rank whose weights are in another dtype than rank 0's (`dtype`) refuses."""
 
-    def launch(self, input_ids: list[int], positions: list[int], seqs: list[SeqSlice]) -> None: ...
+    def launch(self, message: tuple) -> None:
+        """Start the forward `message` (`run_message`) on every other rank."""
 
-    def wait(self) -> None: ...
+    def wait(self) -> None:
+        """Wait for the forward on every other rank; raise the first rank's error."""
+
+    def abort(self) -> None:
+        """Break this process's side of the group, so a rank blocked in a collective fails at
+        once instead of after the collective timeout."""
 
 
 class ModelRunner:
     def __init__(self, forward, layers: list[tuple[torch.Tensor, torch.Tensor]],
-                 peers: Peers | None = None, attention: str = "fused"):
+                 peers: Peers | None = None, attention: str = "fused",
+                 zeroed: Callable[[], list[int]] | None = None):
         self.forward = forward            # models.llama.LlamaForward
         self.layers = layers              # per layer (K, V) views of the pool (BlockPool.layers)
         self.peers = peers
+        self.zeroed = zeroed              # with peers: the blocks zeroed since the last forward
         self.scale = forward.shape.head_dim ** -0.5
         self.device = forward.device
         self.workspace: dict = {}         # attention's gather buffers, reused across steps
@@ -57,13 +77,34 @@ class ModelRunner:
     def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],
             logit_rows: list[int]) -> torch.Tensor:
         """Feed `input_ids` (flat, sequence after sequence) -> logits [len(logit_rows), vocab]."""
-        if self.peers is not None:
-            self.peers.launch(input_ids, positions, seqs)
-        hidden = self.hidden(seqs, input_ids, positions)
-        if self.peers is not None:
-            self.peers.wait()
+        if self.peers is None:
+            hidden = self.hidden(seqs, input_ids, positions)
+        else:
+            hidden = self._group_forward(seqs, input_ids, positions)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.forward.logits(hidden[rows])
+
+    def _group_forward(self, seqs, input_ids, positions) -> torch.Tensor:
+        """The forward on every rank. A failure on any rank fails the group for good
+        (`TPGroupError`): a rank that stopped mid-forward leaves the others' collectives out of
+        step, and a later forward would pair its all-reduces with theirs."""
+        zero = self.zeroed() if self.zeroed is not None else []
+        try:
+            self.peers.launch(run_message(input_ids, positions, seqs, zero))
+            hidden = self.hidden(seqs, input_ids, positions)
+        except Exception as exc:
+            self.peers.abort()                  # ranks blocked in an all-reduce fail now
+            try:
+                self.peers.wait()
+            except Exception as rank_exc:       # the rank that failed first says why
+                raise TPGroupError(f"tensor-parallel forward failed: {rank_exc}") from exc
+            raise TPGroupError(f"tensor-parallel forward failed on rank 0: {exc!r}") from exc
+        try:
+            self.peers.wait()
+        except Exception as exc:
+            self.peers.abort()
+            raise TPGroupError(f"tensor-parallel forward failed: {exc}") from exc
+        return hidden
 
     @torch.inference_mode()
     def hidden(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int]) -> torch.Tensor:

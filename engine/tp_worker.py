@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.attention import SeqSlice
+from engine.faults import Faults
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
 from models.loader import load_served
@@ -41,23 +42,39 @@ def init_tp(rank: int, world: int, init_method: str, device: str = "cpu",
     return all_reduce
 
 
+def rank_options(config) -> dict:
+    """What a rank > 0 is built from (`TPWorker(rank, world, init_method, **rank_options)`), for
+    every launcher of ranks (`LocalPeers`, deployments/tp_group.py), from rank 0's EngineConfig:
+    the ranks and rank 0 cannot be told different things."""
+    return {"target": config.target, "dtype": config.dtype, "device": config.device,
+            "attention": config.attention, "num_threads": config.num_threads,
+            "fault_injection": config.fault_injection}
+
+
 class TPWorker:
     """Rank r > 0: a shard of the target and a KV pool with rank 0's layout and block ids."""
 
     def __init__(self, rank: int, world: int, init_method: str, target: str, dtype: str,
-                 device: str, num_threads: int = 1, attention: str = "fused"):
+                 device: str, num_threads: int = 1, attention: str = "fused",
+                 fault_injection: bool = False):
         torch.set_num_threads(num_threads)
         all_reduce = init_tp(rank, world, init_method, device)
+        self.rank = rank
         self.forward = load_served(target, dtype, device, rank, world, all_reduce,
                                    tokenizer=False).forward
         self.device, self.attention = device, attention
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
+        self.failed: str | None = None        # a forward failed here: the group is broken
+        self.faults = Faults() if fault_injection else None     # test-only (engine/faults.py)
+        if self.faults is not None:
+            self._wrap_forward_for_faults()
 
     def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
         """Take rank 0's layout: its tokens per block (set by target + draft) and block count.
         Ranks in different dtypes would all-reduce tensors of different sizes (gloo aborts the
-        process): refused here with both dtypes named."""
+        process): refused here with both dtypes named. The pool starts zeroed, as rank 0's
+        blocks are when handed out."""
         mine = str(self.forward.dtype).removeprefix("torch.")
         if mine != dtype:
             raise ValueError(f"tensor-parallel rank runs {mine} but rank 0 runs {dtype}: give "
@@ -68,16 +85,58 @@ class TPWorker:
                        * torch.empty((), dtype=self.forward.dtype).element_size())
         # A target-only pool whose block is exactly tokens_per_block of this rank's KV heads.
         self.pool = BlockPool(num_blocks * block_bytes, layout, tokens_per_block,
-                              self.forward.dtype, self.device)
+                              self.forward.dtype, self.device, resident=True)
         assert self.pool.num_blocks == num_blocks
         assert self.pool.target.tokens_per_block == tokens_per_block
         self.runner = ModelRunner(self.forward, self.pool.layers(self.pool.target),
                                   attention=self.attention)
 
-    def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple]) -> None:
+    def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple],
+            zero_blocks: list[int]) -> None:
+        """One forward (`engine.model_runner.run_message`). A failure marks the rank failed;
+        its host then ends the process (`_serve`, deployments/tp_group.py), which closes its
+        side of the group, so rank 0 and the other ranks stop waiting in their collectives
+        (destroying the process group alone leaves its connections open while anything
+        still refers to it)."""
         if self.runner is None:
             raise RuntimeError("configure_pool(rank 0's layout) must come before the first run")
-        self.runner.hidden([SeqSlice(*s) for s in seqs], input_ids, positions)
+        if self.failed:
+            raise RuntimeError(f"rank {self.rank} failed earlier ({self.failed}); the group "
+                               f"must be rebuilt")
+        try:
+            self.pool.zero_blocks(zero_blocks)
+            self.runner.hidden([SeqSlice(*s) for s in seqs], input_ids, positions)
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            raise RuntimeError(f"rank {self.rank}: {self.failed}") from exc
+
+    def inject_fault(self, count: int = 1, after: int = 0) -> None:
+        """TEST ONLY: the next `count` forwards (after `after` more) raise mid-forward."""
+        if self.faults is None:
+            raise RuntimeError("fault injection is off (EngineConfig.fault_injection)")
+        self.faults.arm("rank_raise", count, after)
+
+    def fill_pool(self, value: float) -> None:
+        """TEST ONLY: write `value` (NaN, say) over this rank's whole KV pool, as stale memory
+        would hold it; blocks are zeroed when rank 0 hands them out, so no output may change."""
+        if self.faults is None:
+            raise RuntimeError("fault injection is off (EngineConfig.fault_injection)")
+        self.pool.pool.fill_(value)
+
+    def _wrap_forward_for_faults(self) -> None:
+        """Raise an armed fault inside the forward, at the second layer's attention: after the
+        first layer's all-reduces, so rank 0 is waiting in a collective when it happens."""
+        forward, faults = self.forward.forward, self.faults
+        at = min(1, self.forward.shape.num_layers - 1)
+
+        def forward_with_faults(input_ids, positions, attn):
+            def attn_or_fault(i, q, k, v):
+                if i == at:
+                    faults.fire("rank_raise")
+                return attn(i, q, k, v)
+            return forward(input_ids, positions, attn_or_fault)
+
+        self.forward.forward = forward_with_faults
 
     def ping(self) -> int:
         return os.getpid()
@@ -102,50 +161,87 @@ def _serve(conn, kwargs) -> None:
                 conn.send(e)
             except Exception:                # not picklable: its text, then
                 conn.send(RuntimeError(f"rank {kwargs['rank']}: {type(e).__name__}: {e}"))
+            if worker.failed:                # the group is broken: leave, closing our side
+                conn.close()
+                os._exit(1)
             continue
         conn.send(True)
 
 
 class LocalPeers:
-    """Ranks 1..N-1 as local processes (spawned), driven over pipes. Implements `Peers`."""
+    """Ranks 1..N-1 of `config.tp_size` as local processes (spawned), driven over pipes.
+    Implements `engine.model_runner.Peers`."""
 
-    def __init__(self, world: int, target: str, dtype: str = "auto", device: str = "cpu",
-                 port: int = 29511, attention: str = "fused"):
-        self.init_method = f"tcp://127.0.0.1:{port}"
+    def __init__(self, config, port: int | None = None, wait_timeout_s: float = 60.0):
+        from models.rendezvous import free_port
+
+        world = config.tp_size
+        self.init_method = f"tcp://127.0.0.1:{port or free_port()}"
+        self.wait_timeout_s = wait_timeout_s
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(1, world):
             parent, child = ctx.Pipe()
-            kwargs = dict(rank=rank, world=world, init_method=self.init_method, target=target,
-                          dtype=dtype, device=device, attention=attention)
+            kwargs = dict(rank=rank, world=world, init_method=self.init_method,
+                          **rank_options(config))
             proc = ctx.Process(target=_serve, args=(child, kwargs), daemon=True)
             proc.start()
             child.close()          # the child's end lives in the child: its death is our EOF
             self.conns.append(parent)
             self.procs.append(proc)
-        self.all_reduce = init_tp(0, world, self.init_method, device)
+        self.all_reduce = init_tp(0, world, self.init_method, config.device)
         for c in self.conns:
             answer = c.recv()
             if answer != "ready":
                 self.close()
                 raise answer if isinstance(answer, Exception) else RuntimeError(answer)
 
+    def _call(self, method: str, args: tuple, conns=None) -> None:
+        for c in conns or self.conns:
+            c.send((method, args))
+
     def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
-        for c in self.conns:
-            c.send(("configure_pool", (tokens_per_block, num_blocks, dtype)))
+        self._call("configure_pool", (tokens_per_block, num_blocks, dtype))
         self.wait()
 
-    def launch(self, input_ids, positions, seqs) -> None:
-        msg = (input_ids, positions, [(s.block_table, s.num_cached, s.num_query, s.prefill_align)
-                                        for s in seqs])
-        for c in self.conns:
-            c.send(("run", msg))
+    def launch(self, message: tuple) -> None:
+        self._call("run", message)
 
     def wait(self) -> None:
+        """Every rank's answer to the last call; the first error is raised once all answered
+        (or the wait timed out), so no answer is left behind to be read as the next one's."""
+        first = None
         for c in self.conns:
-            answer = c.recv()
+            if not c.poll(self.wait_timeout_s):
+                first = first or TimeoutError(f"a rank did not answer in {self.wait_timeout_s}s")
+                continue
+            try:
+                answer = c.recv()
+            except EOFError:
+                answer = RuntimeError("a rank process died")
             if isinstance(answer, Exception):
-                raise answer
+                first = first or answer
+        if first is not None:
+            raise first
+
+    def abort(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+    def inject_fault(self, count: int = 1, after: int = 0) -> None:
+        """TEST ONLY: arm rank 1's mid-forward fault (`TPWorker.inject_fault`)."""
+        self.call_rank(1, "inject_fault", count, after)
+
+    def call_rank(self, rank: int, method: str, *args) -> None:
+        """Run `TPWorker.<method>(*args)` on one rank and wait for it (tests)."""
+        conn = self.conns[rank - 1]
+        conn.send((method, args))
+        answer = conn.recv()
+        if isinstance(answer, Exception):
+            raise answer
 
     def close(self) -> None:
         for c in self.conns:
