@@ -113,8 +113,9 @@ class EngineServer:
 
     async def inject_fault(self, kind: str, count: int = 1, after: int = 0) -> None:
         """TEST ONLY: arm a real fault in the engine (refused unless the tier's engine_args set
-        fault_injection: true; see engine/faults.py)."""
-        self.engine.inject_fault(kind, count, after)
+        fault_injection: true; see engine/faults.py). In a thread: arming a rank's fault waits
+        for that rank."""
+        await asyncio.to_thread(self.engine.inject_fault, kind, count, after)
 
     async def swap_draft(self, path: str | None = None, rollback: bool = False) -> dict:
         """Swap the colocated draft in place, between two engine steps (requests keep running;

@@ -192,6 +192,7 @@ class TPGroup:
                     self.check(timeout_s=max(5.0, period_s))
                 except Exception as exc:   # RayActorError, GetTimeoutError, ...
                     self.failed = f"TP group lost: {exc}"
+                    self._stop.wait(min(1.0, period_s))   # errors in flight reach callers
                     logger.error("%s; leaving so Serve rebuilds the group", self.failed)
                     on_failure(self.failed)
                     return

@@ -25,6 +25,7 @@ class EngineConfig:
                                          # + SDPA everywhere (CUDA always).
                                          # docs/decisions/0004-cpu-kernels.md
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
+    gpu_memory_utilization: float = 0.90  # share of a GPU's memory this replica plans to use
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget
     kv_resident: bool = False            # write the whole KV pool at start, so no served step
                                          # faults its pages in (engine/kv_cache.py); serving
@@ -67,6 +68,9 @@ class EngineConfig:
                              f"({self.max_num_batched_tokens})], got {self.prefill_align!r}")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
         if not 0.0 < self.prior_acceptance < 1.0:
             raise ValueError("prior_acceptance must be in (0, 1)")
         if self.tp_size < 1:

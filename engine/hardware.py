@@ -91,6 +91,36 @@ class ModelSpec:
         """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.hd * dtype_bytes
 
+    def rank_weight_bytes(self, tp: int = 1, dtype_bytes: int = 2) -> int:
+        """What one of `tp` ranks holds: its part of every layer, and the embeddings, LM head
+        and final norm whole (they are replicated, `models/llama.py`)."""
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return (self.num_layers * self.layer_params() // tp + embed + head
+                + self.hidden_size) * dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, name: str, config: dict) -> "ModelSpec":
+        """A checkpoint's config.json (Llama family) as a ModelSpec."""
+        heads = config["num_attention_heads"]
+        return cls(name, config["num_hidden_layers"], config["hidden_size"], heads,
+                   config.get("num_key_value_heads") or heads, config["intermediate_size"],
+                   config["vocab_size"], bool(config.get("tie_word_embeddings", False)),
+                   config.get("head_dim") or 0)
+
+
+def model_spec_for(path: str, config: dict | None = None) -> ModelSpec:
+    """A checkpoint's shape: from its config.json when given, else the preset whose name the
+    folder's name contains (the longest such), e.g. /models/Llama-2-70b-hf -> Llama-2-70B."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if config is not None:
+        return ModelSpec.from_hf_config(name, config)
+    matches = [m for key, m in MODELS.items() if key.lower() in name.lower()]
+    if not matches:
+        raise KeyError(f"no config.json at {path} and no preset named in {name!r}; presets: "
+                       f"{sorted(MODELS)}")
+    return max(matches, key=lambda m: len(m.name))
+
 
 MODELS: dict[str, ModelSpec] = {
     # meta-llama/Llama-2-70b-hf config.json (GQA, 8 KV heads)

@@ -84,7 +84,8 @@ class BlockPool:
 
     def __init__(self, budget_bytes: int, target: tuple[int, int, int], block_size: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 draft: tuple[int, int, int] | None = None, resident: bool = False):
+                 draft: tuple[int, int, int] | None = None, resident: bool = False,
+                 num_blocks: int | None = None):
         """target, draft: (num_layers, num_kv_heads, head_dim) of each model's (per-rank) KV.
         resident: write the whole pool now. On CPU `torch.empty` only reserves address space
         and the kernel maps each page at its first write, in whichever step first hands out its
@@ -107,7 +108,8 @@ class BlockPool:
                 raise ValueError("a draft token's KV is larger than a plane of a target block; "
                                  "raise block_size")
             self.draft = KVLayout(*draft, tokens_per_block=chunks * per_chunk, chunks=chunks)
-        self.num_blocks = int(budget_bytes // self.block_bytes)
+        # num_blocks: exactly that many (a scratch pool), whatever the budget says
+        self.num_blocks = num_blocks or int(budget_bytes // self.block_bytes)
         if self.num_blocks < 2:
             raise ValueError(f"KV budget of {budget_bytes} bytes holds fewer than 2 blocks of "
                              f"{self.block_bytes} bytes")

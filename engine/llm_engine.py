@@ -23,7 +23,7 @@ from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError, TPGroupError
 from engine.faults import Faults, FaultyRunner
 from engine.kv_cache import BlockPool
-from engine.memory import kv_budget_bytes
+from engine.memory import cpu_kv_budget_bytes, measure_gpu
 from engine.metrics import Metrics, MetricsSnapshot, ServingTimes
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput
@@ -45,9 +45,9 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         tp = config.tp_size
-        if tp > 1 and (peers is None or not config.kv_budget_bytes):
-            raise ValueError("tp_size > 1 needs the other ranks (peers) and an explicit "
-                             "kv_budget_bytes, the same on every rank")
+        if tp > 1 and peers is None:
+            raise ValueError("tp_size > 1 needs the other ranks (peers); each takes rank 0's "
+                             "KV plan (block count and layout)")
         # Rank 0's shard of the target (every rank reads only its own), and the whole draft.
         self.target_model = load_served(config.target, config.dtype, config.device, rank=0,
                                         world=tp, all_reduce=getattr(peers, "all_reduce", None))
@@ -59,7 +59,8 @@ class LLMEngine:
         self.target_fw = self.target_model.forward
         self.draft_fw = self.draft_model.forward if self.draft_model else None
         t, d = self.target_fw.shape, self.draft_fw.shape if self.draft_fw else None
-        budget = config.kv_budget_bytes or kv_budget_bytes(config, self._weight_bytes())
+        self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
+        budget = config.kv_budget_bytes or self._planned_kv_budget()
         self.pool = BlockPool(budget, (t.num_layers, t.num_kv_heads, t.head_dim), config.block_size,
                               self.target_fw.dtype, config.device,
                               (d.num_layers, d.num_kv_heads, d.head_dim) if d else None,
@@ -80,7 +81,6 @@ class LLMEngine:
             self.target = FaultyRunner(self.target, self.faults, "target_raise")
             if self.draft is not None:
                 self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
-        self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
         self.cost = CalibratedCost(self._cost_model(), draft_excess=True)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  prefill_mode=config.prefill_mode,
@@ -98,8 +98,15 @@ class LLMEngine:
         self.draft_swaps = 0
         self.detok: dict[str, Detokenizer] = {}
 
-    def _weight_bytes(self) -> int:
-        return self.target_model.weight_bytes + (self.draft_model.weight_bytes if self.draft_model else 0)
+    def _planned_kv_budget(self) -> int:
+        """The KV budget from device memory (engine/memory.py): measured and planned on a GPU,
+        refused at start with the numbers where one full-length sequence would not fit."""
+        if torch.device(self.config.device).type != "cuda":
+            return cpu_kv_budget_bytes(self.config)
+        plan = measure_gpu(self)
+        logger.info("GPU memory plan:\n%s", plan.describe())
+        plan.check()
+        return plan.kv_budget_bytes
 
     def _cost_model(self):
         from engine.profiler import load_or_profile

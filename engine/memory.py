@@ -1,18 +1,99 @@
-"""The KV byte budget of a replica: device memory minus weights minus a reserve.
+"""The KV byte budget of a replica: what the device holds beyond weights and activations.
 
-On a GPU the budget is what is free after the weights are loaded, less the activation reserve.
+On a GPU, vLLM's convention (`MemoryPlan`): the replica may use `gpu_memory_utilization` of the
+device; the KV budget is that, less the weights, the peak activations of the largest forward a
+step can run (measured after loading by `measure_gpu`: a target forward at the step's token
+budget and a draft round at `max_num_seqs` sequences), memory outside torch's allocator (CUDA
+context, NCCL buffers) and the CUDA-graph pool. A budget that cannot hold one `max_model_len`
+sequence (target and draft KV) is an error at start that prints the numbers. Other ranks of a
+tensor-parallel group take rank 0's block count (rank 0 holds the draft too, so it is the one
+with least room).
 On a CPU there is no device to fill, so the budget is a quarter of the available RAM, capped at
-2 GiB (the demo family's 32 sequences of 2,048 tokens need far less); pass `kv_budget_bytes`
-to choose it exactly.
+2 GiB. `kv_budget_bytes` overrides either.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 CPU_CAP = 2 << 30
+GRAPH_POOL_BYTES = 0          # no CUDA graphs are captured yet: nothing to keep for their pool
+PLAN_K = 8                    # draft tokens a sequence may propose in one step, for planning
+
+
+class InsufficientMemoryError(MemoryError):
+    """The device cannot hold the weights, the activations and one full-length sequence."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One replica's (rank's) device memory, in bytes."""
+    device_bytes: int
+    utilization: float
+    weight_bytes: int             # this rank's weights (the target's shard, and the draft)
+    activation_bytes: int         # peak of the largest forward, beyond the weights
+    other_bytes: int              # outside torch's allocator: CUDA context, NCCL buffers
+    graph_pool_bytes: int
+    kv_bytes_per_token: int       # this rank's target KV heads + the draft's, per token
+    max_model_len: int
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.utilization * self.device_bytes)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return (self.usable_bytes - self.weight_bytes - self.activation_bytes - self.other_bytes
+                - self.graph_pool_bytes)
+
+    @property
+    def min_kv_bytes(self) -> int:
+        """One sequence of `max_model_len` tokens, target and draft."""
+        return self.max_model_len * self.kv_bytes_per_token
+
+    @property
+    def max_tokens(self) -> int:
+        return max(0, self.kv_budget_bytes) // max(1, self.kv_bytes_per_token)
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        rows = [("device memory", self.device_bytes),
+                (f"x gpu_memory_utilization {self.utilization:.2f}", self.usable_bytes),
+                ("- weights", self.weight_bytes), ("- peak activations", self.activation_bytes),
+                ("- outside torch (context, NCCL)", self.other_bytes),
+                ("- CUDA-graph pool", self.graph_pool_bytes),
+                ("= KV budget", self.kv_budget_bytes),
+                (f"one {self.max_model_len}-token sequence needs", self.min_kv_bytes)]
+        lines = [f"  {name:<40} {value / gib:9.2f} GiB" for name, value in rows]
+        lines.append(f"  {'KV tokens (target + draft)':<40} {self.max_tokens:9d}"
+                     f"  ({self.kv_bytes_per_token} bytes a token)")
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        if self.kv_budget_bytes < self.min_kv_bytes:
+            raise InsufficientMemoryError(
+                "the KV budget cannot hold one max_model_len sequence; lower max_model_len, "
+                "max_num_batched_tokens or max_num_seqs, raise gpu_memory_utilization, or use "
+                "more GPUs:\n" + self.describe())
+
+
+def activation_bytes(hidden: int, q_width: int, kv_width: int, mlp_width: int, vocab: int,
+                     dtype_bytes: int, tokens: int, logit_rows: int) -> int:
+    """An estimate of a forward's peak activations (`models plan` with no device to measure on):
+    per token the residual stream, its norm and a layer's output (3 x hidden), q, k and v, the
+    attention output, gate and up and their product (3 x MLP); widths are this rank's. Logits
+    are float32, and sampling keeps two more tensors of their size (probabilities, noise)."""
+    per_token = 3 * hidden + q_width + 2 * kv_width + q_width + 3 * mlp_width
+    return tokens * per_token * dtype_bytes + 3 * logit_rows * vocab * 4
+
+
+def plan_tokens(max_num_batched_tokens: int, max_num_seqs: int, k: int = PLAN_K) -> int:
+    """The most tokens one target forward carries: a step's token budget, or every running
+    sequence verifying k drafts (k + 1 tokens each), whichever is more."""
+    return max(max_num_batched_tokens, max_num_seqs * (k + 1))
 
 
 def available_ram_bytes() -> int:
@@ -26,15 +107,91 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def kv_budget_bytes(config, weight_bytes: int) -> int:
-    """config: EngineConfig; weight_bytes: already loaded (so not free any more on a GPU)."""
-    device = torch.device(config.device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = free - config.memory_reserve_bytes
-    else:
-        budget = min(CPU_CAP, available_ram_bytes() // 4 - config.memory_reserve_bytes)
+def cpu_kv_budget_bytes(config) -> int:
+    """config: EngineConfig. A quarter of the available RAM, capped at CPU_CAP."""
+    budget = min(CPU_CAP, available_ram_bytes() // 4 - config.memory_reserve_bytes)
     if budget <= 0:
-        raise MemoryError(f"no memory left for the KV cache on {device} after {weight_bytes} "
-                          f"bytes of weights and a {config.memory_reserve_bytes}-byte reserve")
+        raise MemoryError(f"no memory left for the KV cache after a "
+                          f"{config.memory_reserve_bytes}-byte reserve")
     return int(budget)
+
+
+@torch.inference_mode()
+def measure_gpu(engine) -> MemoryPlan:
+    """Rank 0's plan on its GPU, once its target shard and draft are loaded: the peak of a
+    target forward at `plan_tokens` tokens (one sequence's prefill over a scratch pool) and of
+    a draft round over `max_num_seqs` sequences, measured by torch's allocator."""
+    from engine.attention import SeqSlice
+    from engine.kv_cache import BlockPool, blocks_needed
+    from engine.model_runner import ModelRunner
+
+    c = engine.config
+    device = torch.device(c.device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    t, d = engine.target_fw.shape, engine.draft_fw.shape if engine.draft_fw else None
+    tokens = plan_tokens(c.max_num_batched_tokens, c.max_num_seqs)
+    need = blocks_needed(tokens, c.block_size) + c.max_num_seqs * blocks_needed(2, c.block_size)
+    pool = BlockPool(0, (t.num_layers, t.num_kv_heads, t.head_dim), c.block_size,
+                     engine.target_fw.dtype, device,
+                     (d.num_layers, d.num_kv_heads, d.head_dim) if d else None,
+                     num_blocks=need)
+    target = ModelRunner(engine.target_fw, pool.layers(pool.target), attention="sdpa")
+    table = pool.allocate(blocks_needed(tokens, pool.target.tokens_per_block), "target")
+    target.hidden([SeqSlice(table, 0, tokens)], [1] * tokens, list(range(tokens)))
+    if engine.draft_fw is not None:
+        draft = ModelRunner(engine.draft_fw, pool.layers(pool.draft), attention="sdpa")
+        seqs = [SeqSlice(pool.allocate(1, "draft"), 0, 1) for _ in range(c.max_num_seqs)]
+        draft.run(seqs, [1] * len(seqs), [0] * len(seqs), list(range(len(seqs))))
+    # the verify's logits: every sequence's k + 1 rows, in float32, and sampling's copies
+    rows = c.max_num_seqs * (PLAN_K + 1)
+    logits = torch.empty(3, rows, t.vocab_size, dtype=torch.float32, device=device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del pool, target, logits
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    other = max(0, total - free - torch.cuda.memory_reserved(device))
+    per_token = pool_bytes_per_token(engine)
+    return MemoryPlan(total, c.gpu_memory_utilization, weights, peak - weights, other,
+                      GRAPH_POOL_BYTES, per_token, engine.max_model_len)
+
+
+def pool_bytes_per_token(engine) -> int:
+    """KV bytes a token of a speculating sequence costs on rank 0: the target's (this rank's
+    heads) and the draft's."""
+    element = torch.empty((), dtype=engine.target_fw.dtype).element_size()
+    total = 0
+    for fw in filter(None, (engine.target_fw, engine.draft_fw)):
+        s = fw.shape
+        total += 2 * s.num_layers * s.num_kv_heads * s.head_dim * element
+    return total
+
+
+CUDA_CONTEXT_BYTES = 1 << 30    # planned without a device: CUDA context, cuBLAS and NCCL buffers
+
+
+def plan_from_specs(device_bytes: int, utilization: float, target, draft, tp: int,
+                    dtype_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
+                    max_model_len: int, k: int = PLAN_K) -> MemoryPlan:
+    """Rank 0's plan from datasheet shapes (`engine.hardware.ModelSpec`), no device needed:
+    what `specserve models plan` prints. Activations are `activation_bytes`' estimate for the
+    larger of a target forward at `plan_tokens` and a draft round at `max_num_seqs`."""
+    q = target.num_heads * target.hd // tp
+    kv = target.num_kv_heads * target.hd // tp
+    tokens = plan_tokens(max_num_batched_tokens, max_num_seqs, k)
+    act = activation_bytes(target.hidden_size, q, kv, target.intermediate_size // tp,
+                           target.vocab_size, dtype_bytes, tokens, max_num_seqs * (k + 1))
+    weights = target.rank_weight_bytes(tp, dtype_bytes)
+    per_token = target.kv_bytes_per_token(dtype_bytes) // tp
+    if draft is not None:
+        act = max(act, activation_bytes(draft.hidden_size, draft.num_heads * draft.hd,
+                                        draft.num_kv_heads * draft.hd, draft.intermediate_size,
+                                        draft.vocab_size, dtype_bytes, max_num_seqs,
+                                        max_num_seqs))
+        weights += draft.rank_weight_bytes(1, dtype_bytes)
+        per_token += draft.kv_bytes_per_token(dtype_bytes)
+    return MemoryPlan(device_bytes, utilization, weights, act, CUDA_CONTEXT_BYTES,
+                      GRAPH_POOL_BYTES, per_token, max_model_len)

@@ -39,6 +39,8 @@ class TierModelConfig(_Strict):
     num_cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank bundle")
     num_gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per rank bundle (1 in production)")
     kv_budget_bytes: int | None = Field(None, gt=0, description="None: derived from device memory")
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="share of each GPU's "
+        "memory the replica plans for: weights, peak activations and the KV cache (vLLM's knob)")
     max_num_seqs: int = Field(32, ge=1, description="largest running batch")
     max_model_len: int | None = Field(None, ge=8, description="None: the checkpoint's context")
     max_waiting: int = Field(64, ge=0, description="engine waiting-queue bound (then 429)")
@@ -107,6 +109,7 @@ class TierModelConfig(_Strict):
             "kv_resident": True,
             "target": self.model, "draft": self.draft, "dtype": self.dtype, "device": self.device,
             "kv_budget_bytes": self.kv_budget_bytes, "max_num_seqs": self.max_num_seqs,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
             "max_model_len": self.max_model_len, "num_threads": self.num_threads,
             "max_waiting": self.max_waiting, "tp_size": self.tp_size, **self.engine_args})
 
@@ -235,9 +238,6 @@ class AppConfig(_Strict):
             raise ValueError("the small tier runs without a draft; remove small.draft")
         if self.small is not None and self.small.tp_size != 1:
             raise ValueError("the small tier runs with tp_size 1")
-        if self.target.tp_size > 1 and self.target.kv_budget_bytes is None:
-            raise ValueError("target.kv_budget_bytes must be set when tp_size > 1: every rank "
-                             "allocates rank 0's KV budget (the same block ids) before it loads")
         return self
 
     @property

@@ -21,6 +21,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "cluster.cli.demo", "build the demo family if missing and generate with target and draft"),
     ("models build-demo", "cluster.cli.models_build_demo", "train the demo model family (tokenizer, target, draft, small)"),
     ("models info", "cluster.cli.models_info", "print a checkpoint's parameters, weight bytes and KV bytes per token"),
+    ("models plan", "cluster.cli.models_plan", "each GPU tier's memory plan: weights, activations, KV budget"),
     ("bench engine", "cluster.bench.engine", "benchmark the engine side by side with transformers"),
     ("bench sampler", "cluster.bench.sampler", "acceptance of the coupled (seeded) sampler next to rejection sampling"),
     ("bench overload", "cluster.bench.overload", "drive a running cluster at 4x its capacity; check nothing is lost"),

@@ -2,8 +2,9 @@
 
 One Serve replica owns a placement group of two bundles; rank 1 is a child actor in bundle 1.
 Checks that TP = 2 gives TP = 1's greedy tokens (with a draft whose KV shape differs from the
-target's), and that killing rank 1 brings the whole group down and back (the replica exits at
-once, Serve builds a new group).
+target's), that a forward failing on rank 1 gives its request an OpenAI-shaped error and brings
+the group down and back, and that killing rank 1 does too (the replica exits at once, Serve
+builds a new group).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def app(tiny_family, odd_draft, module_tmp):
     family = {**tiny_family, "draft": odd_draft}
     with served_app(module_tmp, family, small=None,
                     target={"tp_size": 2, "num_cpus_per_rank": 0.5,
-                            "engine_args": {"adaptive_k": False}}) as served:   # always draft
+                            "engine_args": {"adaptive_k": False,        # always draft
+                                            "fault_injection": True}}) as served:
         yield served
 
 
@@ -74,13 +76,9 @@ def test_tp2_gives_the_greedy_tokens_of_tp1(app, tiny_family):
         assert _tokens(app, "premium", prompt, 16, speculation="on") == expected
 
 
-def test_a_killed_rank_is_replaced_and_requests_succeed_again(app):
-    target = app.handle("TargetServer")
-    old_replica_pid = target.stats.remote().result(timeout_s=30)["pid"]
-    (rank_pid,) = target.tp_rank_pids.remote().result(timeout_s=30)
-    os.kill(rank_pid, signal.SIGKILL)
-    killed_at = time.time()
-    deadline = killed_at + 120
+def _wait_for_new_replica(app, target, old_replica_pid: int, since: float) -> float:
+    """Seconds from `since` until a new replica (new pid) answers and /health is ok."""
+    deadline = since + 120
     new_pid = None
     while time.time() < deadline:
         try:
@@ -91,9 +89,38 @@ def test_a_killed_rank_is_replaced_and_requests_succeed_again(app):
             pass
         time.sleep(0.5)
     assert new_pid is not None and new_pid != old_replica_pid, "the replica was not replaced"
-    new_ranks = target.tp_rank_pids.remote().result(timeout_s=30)
-    assert rank_pid not in new_ranks and len(new_ranks) == 1
     while time.time() < deadline and httpx.get(app.url + "/health").status_code != 200:
         time.sleep(0.5)
+    return time.time() - since
+
+
+def test_a_forward_failing_on_rank_1_errors_its_request_and_the_group_is_rebuilt(app, tiny_family):
+    """Rank 1 raises mid-forward (between two layers' all-reduces): the request in that
+    forward gets an OpenAI-shaped 5xx, the replica leaves (its ranks' collectives would be out
+    of step) and Serve builds a new group, whose greedy tokens are TP = 1's again."""
+    target = app.handle("TargetServer")
+    old_replica_pid = target.stats.remote().result(timeout_s=30)["pid"]
+    target.inject_fault.remote("rank_raise", 1, 1).result(timeout_s=30)
+    failed_at = time.time()
+    with app.client("standard") as client:
+        r = client.post("/standard/v1/completions",
+                        json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8,
+                              "temperature": 0, "ignore_eos": True, "speculation": "off"})
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["code"] == "replica_failed" and error["message"], error
+    print(f"group rebuilt in {_wait_for_new_replica(app, target, old_replica_pid, failed_at):.1f}s")
+    expected = _tp1_tokens(tiny_family, PROMPTS[1], 12)
+    assert _tokens(app, "standard", PROMPTS[1], 12, speculation="off") == expected
+
+
+def test_a_killed_rank_is_replaced_and_requests_succeed_again(app):
+    target = app.handle("TargetServer")
+    old_replica_pid = target.stats.remote().result(timeout_s=30)["pid"]
+    (rank_pid,) = target.tp_rank_pids.remote().result(timeout_s=30)
+    os.kill(rank_pid, signal.SIGKILL)
+    killed_at = time.time()
+    print(f"group rebuilt in {_wait_for_new_replica(app, target, old_replica_pid, killed_at):.1f}s")
+    new_ranks = target.tp_rank_pids.remote().result(timeout_s=30)
+    assert rank_pid not in new_ranks and len(new_ranks) == 1
     assert _tokens(app, "standard", PROMPTS[0], 8, speculation="off")
-    print(f"group rebuilt in {time.time() - killed_at:.1f}s")

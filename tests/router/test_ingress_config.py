@@ -51,7 +51,8 @@ def test_llama2_70b_yaml_loads():
     assert set(cfg.prices) == {"speculative", "baseline", "small"}
     assert cfg.policy.k_max == 8            # a typed PolicyConfig, read at load time
     engine = cfg.target.engine_config()     # the engine's dataclass, built straight from the tier
-    assert (engine.tp_size, engine.max_num_seqs, engine.kv_budget_bytes) == (4, 64, 25769803776)
+    assert (engine.tp_size, engine.max_num_seqs, engine.kv_budget_bytes) == (4, 64, None)
+    assert engine.gpu_memory_utilization == 0.90     # rank 0 plans the budget on its GPU
     assert engine.kv_resident               # a served replica holds its KV budget from the start
     off = TierModelConfig(model="/m", engine_args={"kv_resident": False}).engine_config()
     assert not off.kv_resident
