@@ -61,6 +61,7 @@ class ModelRunner:
         self.fused = attention == "fused" and self.device.type == "cpu"
         if self.fused:
             self._build_fused()
+        forward.build_kernels()
 
     @torch.inference_mode()
     def _build_fused(self) -> None:

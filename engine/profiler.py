@@ -58,7 +58,26 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _time_runner(runner, pool, owner: str, tpb: int, grid) -> list[tuple[int, int, int, float]]:
+def _fill(runner, tables: list[list[int]], max_tokens: int) -> None:
+    """Write CONTEXT tokens of KV into each table, in forwards of at most `max_tokens` tokens
+    (the step's token budget: the memory plan measured activations up to it)."""
+    step = max(1, min(CONTEXT, max_tokens))
+    pieces = [SeqSlice(t, start, min(step, CONTEXT - start))
+              for t in tables for start in range(0, CONTEXT, step)]
+    batch: list[SeqSlice] = []
+    for piece in pieces + [None]:
+        if piece is None or (batch and sum(s.num_query for s in batch) + piece.num_query
+                             > max_tokens):
+            ids = [1] * sum(s.num_query for s in batch)
+            pos = [s.num_cached + i for s in batch for i in range(s.num_query)]
+            runner.run(batch, ids, pos, [0])
+            batch = []
+        if piece is not None:
+            batch.append(piece)
+
+
+def _time_runner(runner, pool, owner: str, tpb: int, grid,
+                 max_tokens: int = 512) -> list[tuple[int, int, int, float]]:
     """Time `runner` over scratch sequences; every block is returned to the pool afterwards.
 
     The grid is timed in passes, every point once a pass (WARMUP untimed passes, then REPEATS
@@ -74,8 +93,7 @@ def _time_runner(runner, pool, owner: str, tpb: int, grid) -> list[tuple[int, in
         grid = [(n, q) for n, q in grid if n <= max_seqs]
     tables = [pool.allocate(per_seq, owner) for _ in range(max_seqs)]
     try:
-        fill = [SeqSlice(t, 0, CONTEXT) for t in tables]
-        runner.run(fill, [1] * CONTEXT * max_seqs, list(range(CONTEXT)) * max_seqs, [0])
+        _fill(runner, tables, max_tokens)
         times: dict[tuple[int, int], list[float]] = {point: [] for point in grid}
         for _ in range(WARMUP + REPEATS):
             for n, q in grid:
@@ -125,14 +143,16 @@ def _isotonic(values: list[float]) -> list[float]:
 
 def profile(engine) -> tuple[TableStepCost, dict]:
     grid = [(n, q) for n, q in GRID if n <= engine.config.max_num_seqs]
-    pool = engine.pool
-    target = _time_runner(engine.target, pool, "target", pool.target.tokens_per_block, grid)
+    pool, budget = engine.pool, engine.config.max_num_batched_tokens
+    target = _time_runner(engine.target, pool, "target", pool.target.tokens_per_block, grid,
+                          budget)
     if not target:                     # a pool too small to time even one sequence
         return default_cost(engine), {}
     draft = []
     if engine.draft is not None:
         draft = _time_runner(engine.draft, pool, "draft", pool.draft.tokens_per_block,
-                             [(n, q) for n in sorted({n for n, _ in grid}) for q in (1, 2)])
+                             [(n, q) for n in sorted({n for n, _ in grid}) for q in (1, 2)],
+                             budget)
     cost = TableStepCost(TableCost.measure_grid(target),
                          TableCost.measure_grid(draft) if draft else None)
     return cost, {"target_samples": target, "draft_samples": draft}

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from models import GREEDY_BELOW  # temperatures below it are greedy
+
 
 class Mode(str, Enum):
     SPECULATIVE = "speculative"   # draft proposes up to k_max tokens per step; target verifies
@@ -22,7 +24,6 @@ class FinishReason(str, Enum):
     ERROR = "error"      # the engine failed while running it (RequestOutput.error says why)
 
 
-GREEDY_BELOW = 1e-5      # temperatures below this are greedy (1 / T would overflow the logits)
 MAX_TOP_K = 1 << 31      # top_k beyond the vocabulary is "off"; beyond this it is refused
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
 

@@ -42,6 +42,33 @@ def init_tp(rank: int, world: int, init_method: str, device: str = "cpu",
     return all_reduce
 
 
+def resident_bytes(reset_peak: bool = False) -> int:
+    """This process's resident memory (VmRSS); `reset_peak` first resets its high-water mark
+    (VmHWM), where Linux allows it."""
+    if reset_peak:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_resident_bytes() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def rank_options(config) -> dict:
     """What a rank > 0 is built from (`TPWorker(rank, world, init_method, **rank_options)`), for
     every launcher of ranks (`LocalPeers`, deployments/tp_group.py), from rank 0's EngineConfig:
@@ -60,8 +87,13 @@ class TPWorker:
         torch.set_num_threads(num_threads)
         all_reduce = init_tp(rank, world, init_method, device)
         self.rank = rank
+        before = resident_bytes(reset_peak=True)
         self.forward = load_served(target, dtype, device, rank, world, all_reduce,
                                    tokenizer=False).forward
+        # what loading cost this process: its peak resident memory above where it started,
+        # against the bytes of its shard
+        self.load_memory = {"resident_before": before, "peak": peak_resident_bytes(),
+                            "shard_bytes": self.forward.weight_bytes()}
         self.device, self.attention = device, attention
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
@@ -90,6 +122,7 @@ class TPWorker:
         assert self.pool.target.tokens_per_block == tokens_per_block
         self.runner = ModelRunner(self.forward, self.pool.layers(self.pool.target),
                                   attention=self.attention)
+        self.load_memory["peak_with_kernels"] = peak_resident_bytes()
 
     def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple],
             zero_blocks: list[int]) -> None:
@@ -141,6 +174,10 @@ class TPWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def memory(self) -> dict:
+        """What loading this rank's shard cost in resident memory (`load_memory`)."""
+        return dict(self.load_memory)
+
 
 def _serve(conn, kwargs) -> None:
     try:
@@ -155,7 +192,7 @@ def _serve(conn, kwargs) -> None:
             return
         method, args = msg
         try:
-            getattr(worker, method)(*args)
+            result = getattr(worker, method)(*args)
         except Exception as e:               # back to rank 0, which raises it
             try:
                 conn.send(e)
@@ -165,7 +202,7 @@ def _serve(conn, kwargs) -> None:
                 conn.close()
                 os._exit(1)
             continue
-        conn.send(True)
+        conn.send(True if result is None else result)
 
 
 class LocalPeers:
@@ -235,13 +272,14 @@ class LocalPeers:
         """TEST ONLY: arm rank 1's mid-forward fault (`TPWorker.inject_fault`)."""
         self.call_rank(1, "inject_fault", count, after)
 
-    def call_rank(self, rank: int, method: str, *args) -> None:
-        """Run `TPWorker.<method>(*args)` on one rank and wait for it (tests)."""
+    def call_rank(self, rank: int, method: str, *args):
+        """Run `TPWorker.<method>(*args)` on one rank and return what it returns (tests)."""
         conn = self.conns[rank - 1]
         conn.send((method, args))
         answer = conn.recv()
         if isinstance(answer, Exception):
             raise answer
+        return answer
 
     def close(self) -> None:
         for c in self.conns:

@@ -24,6 +24,25 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32}
 
 
+def release_freed_memory() -> None:
+    """Hand the C allocator's free pages back to the OS (glibc's `malloc_trim`), so what loading
+    freed (a weight's relayout source, a fused weight's parts) does not stay resident between
+    the weights kept. A no-op where there is no glibc."""
+    global _trim
+    if _trim is None:
+        try:
+            import ctypes
+
+            _trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim = None
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read by rank; the message says why and what to do."""
 

@@ -154,26 +154,42 @@ class Linear:
         # and each weight's plan by identity (the step's lookup; a shape's layers share one)
         self.row_plans: dict[tuple, RowPlan] = {}
         self._plan_of: dict[int, RowPlan] = {}
+        self._pending: list[tuple] = []          # prepared weights whose plans are not built
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 max_rows: int = PROBE_ROWS) -> torch.Tensor:
-        """[out, in] weight -> the layout the kernel reads, with its row plan built (oneDNN)."""
+        """[out, in] weight -> the layout the kernel reads. Its row plan (oneDNN) is built by
+        `build_plans`, once every weight is loaded."""
         weight = prepare(weight, self.kernel)
         if self.kernel == "onednn":
-            key = (tuple(weight.shape), bias is None)    # [out, in], reordered too
-            if key not in self.row_plans:
-                with torch.inference_mode():
-                    self.row_plans[key] = RowPlan(
-                        lambda x, w=weight, b=bias: self._onednn(x, w, b, x.shape[0]),
-                        weight.shape[1], self.dtype, max_rows)
-            self._plan_of[id(weight)] = self.row_plans[key]
+            self._pending.append((weight, bias, max_rows))
         return weight
+
+    def build_plans(self) -> None:
+        """Build the row plan of every prepared weight's shape (and with it oneDNN's kernels
+        for every bucket), so that no step builds one."""
+        pending, self._pending = self._pending, []
+        for weight, bias, max_rows in pending:
+            self._plan_for(weight, bias, max_rows)
+
+    def _plan_for(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                  max_rows: int = PROBE_ROWS) -> RowPlan:
+        key = (tuple(weight.shape), bias is None)    # [out, in], reordered too
+        if key not in self.row_plans:
+            with torch.inference_mode():
+                self.row_plans[key] = RowPlan(
+                    lambda x, w=weight, b=bias: self._onednn(x, w, b, x.shape[0]),
+                    weight.shape[1], self.dtype, max_rows)
+        self._plan_of[id(weight)] = self.row_plans[key]
+        return self.row_plans[key]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel == "onednn":
-            plan = self._plan_of.get(id(weight)) or self.row_plans[(tuple(weight.shape),
-                                                                    bias is None)]
+            plan = self._plan_of.get(id(weight))
+            if plan is None:            # not built at start (`build_plans`): build it now
+                self.build_plans()
+                plan = self._plan_of.get(id(weight)) or self._plan_for(weight, bias)
             calls = plan.calls(x.shape[0])
             if len(calls) == 1:
                 return self._onednn(x, weight, bias, calls[0])

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.sampling_params import GREEDY_BELOW
+from models import GREEDY_BELOW
 from models.rendezvous import free_port
 
 TOP_K = 64          # teacher log-probs kept per position (their mass is reported)

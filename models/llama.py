@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.checkpoint import Checkpoint, CheckpointError
+from models.checkpoint import Checkpoint, CheckpointError, release_freed_memory
 from models.cpu_linear import PROBE_LOGIT_ROWS, Linear
 
 # attn(layer_idx, q [num_tokens, num_heads, head_dim], k, v [num_tokens, num_kv_heads, head_dim])
@@ -85,8 +85,11 @@ def split_dim(style: str, world: int) -> int | None:
 
 
 def module_source(hf_model, rank: int, world: int) -> WeightSource:
-    """A model in memory as a weight source: its tensors, split by slicing."""
+    """A model in memory as a weight source: its tensors, split by slicing (a tied head is the
+    embedding's tensor: absent here, as from a checkpoint that ties it)."""
     tensors = dict(hf_model.state_dict())
+    if getattr(hf_model.config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
 
     def get(name: str, dim: int | None):
         t = tensors.get(name)
@@ -180,14 +183,12 @@ class LlamaForward:
         # the elementwise steps as C++ calls (an object with add_norm, rope and silu_mul, each
         # returning None where it does not apply): the model runner sets it where it built them
         self.ops = None
-        self._weight_bytes, read = 0, set()
-
+        self._weight_bytes = 0
         source = get
 
         def get(name: str, dim: int | None):     # bytes as read (before any relayout)
             t = source(name, dim)
-            if t is not None and t.data_ptr() not in read:
-                read.add(t.data_ptr())
+            if t is not None:
                 self._weight_bytes += t.numel() * t.element_size()
             return t
 
@@ -206,12 +207,19 @@ class LlamaForward:
         for i in range(config.num_hidden_layers):
             self.layers.append(LlamaLayerWeights(get, f"model.layers.{i}", plan, rank, world,
                                                  self.linear))
+            if self.device.type == "cpu":
+                release_freed_memory()
         self.inv_freq = rotary.inv_freq.detach().float().to(self.device)   # [head_dim / 2]
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
 
     @property
     def row_plans(self) -> dict:
         return self.linear.row_plans
+
+    def build_kernels(self) -> None:
+        """Build what the projections run on (oneDNN's row plans and kernels): at engine start,
+        after every weight is loaded, never in a step."""
+        self.linear.build_plans()
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds, counting a tied head once."""
@@ -246,10 +254,13 @@ class LlamaForward:
                     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
                     ) -> "LlamaForward":
         """A transformers model already in memory (its weights are used in place where
-        unsplit)."""
+        unsplit), its kernels built."""
         embed = hf_model.model.embed_tokens.weight
-        return cls(hf_model.config, module_source(hf_model, rank, world),
-                   hf_model.model.rotary_emb, embed.dtype, embed.device, rank, world, all_reduce)
+        forward = cls(hf_model.config, module_source(hf_model, rank, world),
+                      hf_model.model.rotary_emb, embed.dtype, embed.device, rank, world,
+                      all_reduce)
+        forward.build_kernels()
+        return forward
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         return self.linear(x, weight, bias)

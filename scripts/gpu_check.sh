@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check: on a machine with CUDA, run the engine's CUDA tests and `specserve bench engine
-# --device cuda`, in under 8 minutes. Every stage has its own timeout and logs to $OUT (if set)
+# GPU check: on a machine with CUDA, run the engine's CUDA tests, `specserve bench engine
+# --device cuda` and the decode step against the roofline (scripts/gpu_roofline.py), in under
+# 8 minutes. Every stage has its own timeout and logs to $OUT (if set)
 # or ./gpu-check-out. A failing stage is reported and the next one still runs; the exit status
 # is the number of failed stages.
 #
@@ -74,6 +75,9 @@ if [ -n "$FAM" ]; then
         --threads 2 --prompts 3 --new-tokens 128 --k-max 6 --batches 1,4,16,32,64 \
         --json "$OUT/bench-cuda-$DTYPE.json" || fail "bench engine"
 fi
+
+stage "decode step against the roofline (8B-shaped target, 1B-shaped draft, bf16)"
+timeout 300 "$PY" scripts/gpu_roofline.py || fail "roofline"
 
 stage "done: $FAILED failed stage(s)"
 exit "$FAILED"

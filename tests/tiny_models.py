@@ -78,3 +78,20 @@ def make_odd_draft(folder: Path, target_folder: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(target_folder))
     make_llama(folder, tokenizer, layers=3, hidden=96, heads=4, kv_heads=2, mlp=96, seed=3)
     return folder
+
+
+def make_sharded_llama(folder: Path, tokenizer_folder: Path, layers: int = 24, hidden: int = 512,
+                       heads: int = 32, kv_heads: int = 4, mlp: int = 1792, shards: int = 3,
+                       seed: int = 0) -> int:
+    """A random bf16 Llama checkpoint with 70B's proportions (8 query heads per KV head, MLP
+    3.5x hidden, an untied head), written tensor by tensor as `shards` safetensors files and
+    their index (models/synthetic.py), with the tiny family's tokenizer. Returns its bytes."""
+    from transformers import AutoTokenizer
+
+    from models.synthetic import write_random_llama
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+    total = write_random_llama(folder, layers, hidden, heads, kv_heads, mlp, len(tokenizer),
+                               shards, seed, max_position=512)
+    tokenizer.save_pretrained(str(folder))
+    return total

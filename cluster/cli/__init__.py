@@ -23,6 +23,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("models info", "cluster.cli.models_info", "print a checkpoint's parameters, weight bytes and KV bytes per token"),
     ("models plan", "cluster.cli.models_plan", "each GPU tier's memory plan: weights, activations, KV budget"),
     ("bench engine", "cluster.bench.engine", "benchmark the engine side by side with transformers"),
+    ("bench load", "cluster.bench.load", "per-rank memory of loading a tensor-parallel shard (70B widths by default)"),
     ("bench sampler", "cluster.bench.sampler", "acceptance of the coupled (seeded) sampler next to rejection sampling"),
     ("bench overload", "cluster.bench.overload", "drive a running cluster at 4x its capacity; check nothing is lost"),
     ("bench serve", "cluster.bench.serve", "drive a running cluster over HTTP: policies x loads, JSON + PNG"),

@@ -32,7 +32,8 @@ def test_a_slow_spell_prices_no_point_of_the_grid(make_engine):
     grid = [(n, q) for n in (1, 2, 4) for q in (1, 2, 3)]
     runs = WARMUP + REPEATS
     slow = _SlowSpell(engine.target, start=2 + runs, length=2 * runs)   # after the fill forward
-    samples = _time_runner(slow, engine.pool, "target", engine.pool.target.tokens_per_block, grid)
+    samples = _time_runner(slow, engine.pool, "target", engine.pool.target.tokens_per_block, grid,
+                           max_tokens=4096)
     assert slow.calls == 1 + runs * len(grid)
     assert len(samples) == len(grid)
     assert engine.pool.num_free == engine.pool.num_blocks             # every block given back
@@ -55,3 +56,28 @@ def test_the_table_is_monotone_in_tokens_and_in_sequences():
     assert _isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert _isotonic([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
     assert _isotonic([]) == []
+
+
+class _Counting:
+    """The engine's own target runner, recording the tokens of every forward it runs."""
+
+    def __init__(self, runner):
+        self.runner, self.device, self.tokens = runner, runner.device, []
+
+    def run(self, seqs, ids, pos, rows):
+        self.tokens.append(len(ids))
+        return self.runner.run(seqs, ids, pos, rows)
+
+
+def test_no_profiling_forward_carries_more_than_the_step_budget(make_engine):
+    """The GPU memory plan measures activations up to a step's token budget; a profiling
+    forward above it (filling 32 sequences' contexts at once: 32 x 192 tokens) could run the
+    device out of memory at start. Breakage that turns it red: `_fill` writing every
+    sequence's context in one forward."""
+    engine = make_engine(profile=False)
+    counting = _Counting(engine.target)
+    grid = [(n, q) for n in (1, 4, 8) for q in (1, 3)]
+    _time_runner(counting, engine.pool, "target", engine.pool.target.tokens_per_block, grid,
+                 max_tokens=128)
+    assert max(counting.tokens) <= 128
+    assert sum(counting.tokens[:-(WARMUP + REPEATS) * len(grid)]) == 8 * 192  # every context

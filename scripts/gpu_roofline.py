@@ -1,0 +1,110 @@
+"""The engine's decode step on one GPU against the roofline, for scripts/gpu_check.sh.
+
+Writes a random bf16 checkpoint of Llama-3-8B's shape (32 layers, hidden 4096, 32/8 heads, MLP
+14336, vocab 128256) and a 1B-shaped draft (Llama-3.2-1B: 16 layers, hidden 2048, 32/8 heads,
+MLP 8192) with models/synthetic.py, loads them as the engine serves them (sharded loading,
+the GPU memory plan), measures the device's copy bandwidth, and times:
+- a target decode forward at batch 1/8/32/64/128 and context 1k/4k, against the roofline
+  (weight bytes + KV bytes read) / measured copy bandwidth;
+- a verify of k + 1 = 5 tokens against a decode at batch 1.
+Prints a table and writes it as JSON to $OUT/roofline.json.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from engine.attention import SeqSlice  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from models.synthetic import write_random_llama  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", ROOT / "gpu-check-out"))
+WORK = Path(os.environ.get("WORK", "/tmp/specserve-gpu"))
+BATCHES = (1, 8, 32, 64, 128)
+CONTEXTS = (1024, 4096)
+
+
+def copy_bandwidth() -> float:
+    """Bytes a second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, n = time.perf_counter(), 20
+    for _ in range(n):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * n / (time.perf_counter() - start)
+
+
+def timed(fn, repeats: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    target, draft = WORK / "target-8b", WORK / "draft-1b"
+    if not (target / "model.safetensors.index.json").exists():
+        write_random_llama(target, 32, 4096, 32, 8, 14336, 128256, shards=4, max_position=8192)
+    if not (draft / "model.safetensors.index.json").exists():
+        write_random_llama(draft, 16, 2048, 32, 8, 8192, 128256, shards=1, max_position=8192)
+    engine = LLMEngine(EngineConfig(str(target), str(draft), dtype="bfloat16", device="cuda",
+                                    max_num_seqs=128, max_model_len=8192, profile=False))
+    bw = copy_bandwidth()
+    runner, pool = engine.target, engine.pool
+    weights = engine.target_model.weight_bytes
+    kv_token = pool.target.elems_per_token * pool.element_size
+    rows = []
+    for ctx in CONTEXTS:
+        for batch in BATCHES:
+            per_seq = -(-(ctx + 8) // pool.target.tokens_per_block)
+            if per_seq * batch > pool.num_free:
+                rows.append({"batch": batch, "context": ctx, "skipped": "KV budget"})
+                continue
+            tables = [pool.allocate(per_seq, "target") for _ in range(batch)]
+            seqs = [SeqSlice(t, ctx, 1) for t in tables]
+            step = timed(lambda: runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch))))
+            roofline = (weights + batch * ctx * kv_token) / bw
+            row = {"batch": batch, "context": ctx, "step_ms": step * 1e3,
+                   "roofline_ms": roofline * 1e3, "ratio": step / roofline}
+            if batch == 1:
+                verify = [SeqSlice(tables[0], ctx, 5)]
+                v = timed(lambda: runner.run(verify, [1] * 5, list(range(ctx, ctx + 5)),
+                                             list(range(5))))
+                row["verify5_over_decode"] = v / step
+            rows.append(row)
+            for t in tables:
+                pool.free(t, "target")
+            print(json.dumps(row), flush=True)
+    result = {"device": torch.cuda.get_device_name(0), "copy_bandwidth_Bps": bw,
+              "target_weight_bytes": weights, "kv_bytes_per_token": kv_token,
+              "attention": "torch gather + SDPA (no paged kernel yet)", "cuda_graphs": False,
+              "rows": rows}
+    (OUT / "roofline.json").write_text(json.dumps(result, indent=1))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; target weights {weights / 2**30:.1f} GiB")
+    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'roofline ms':>11} {'ratio':>6}")
+    for r in rows:
+        if "skipped" not in r:
+            print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['roofline_ms']:>11.2f} "
+                  f"{r['ratio']:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
