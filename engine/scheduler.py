@@ -206,13 +206,16 @@ class Scheduler:
                 k = ks.get(id(s), 0)
                 items[id(s)] = ScheduledSeq(s, len(s.token_ids) - s.num_computed, k)
                 budget -= 1 + k
-        # 2. Make the blocks fit: drop speculation first, then preempt.
+        # 2. Make the blocks fit: drop speculation first, then preempt. Victims are chosen among
+        #    all running sequences, so in a step of prompts alone also among the decoding ones
+        #    that sit it out and have no item here.
         while sum(sum(self._need(it)) for it in items.values()) > self.pool.num_free:
-            spec_victims = [s for s in self._victims()
-                            if s.speculative and (items[id(s)].k or s.draft_blocks)]
+            spec_victims = [s for s in self._victims() if s.speculative
+                            and (id(s) in items and items[id(s)].k or s.draft_blocks)]
             if spec_victims:
                 victim = spec_victims[0]
-                items[id(victim)].k = 0
+                if id(victim) in items:
+                    items[id(victim)].k = 0
                 self._downgrade(victim)
                 continue
             victim = self._victims()[0]
@@ -220,7 +223,7 @@ class Scheduler:
                 self._truncate(victim)
             else:
                 self._preempt(victim)
-            del items[id(victim)]
+            items.pop(id(victim), None)
         for it in items.values():
             self._allocate(it)
         # 3. Admit waiting sequences while tokens, sequence slots and blocks allow.

@@ -10,14 +10,17 @@ from engine.llm_engine import LLMEngine
 @pytest.fixture(scope="module")
 def make_engine(tiny_family):
     def make(draft=True, **kw):
+        """draft: True for the tiny family's draft, False for none, or a model folder."""
         kw.setdefault("kv_budget_bytes", 8 << 20)
         kw.setdefault("profile", False)
         kw.setdefault("num_threads", 1)
         # float32 unless SPECSERVE_TEST_DTYPE says otherwise (the suite is also run in bfloat16:
         # greedy identity with transformers' fp32 generate is then not expected, the rest is).
         kw.setdefault("dtype", os.environ.get("SPECSERVE_TEST_DTYPE", "float32"))
-        return LLMEngine(EngineConfig(str(tiny_family["target"]),
-                                      str(tiny_family["draft"]) if draft else None, **kw))
+        if draft is True:
+            draft = tiny_family["draft"]
+        return LLMEngine(EngineConfig(str(tiny_family["target"]), str(draft) if draft else None,
+                                      **kw))
     return make
 
 

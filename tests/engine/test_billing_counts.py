@@ -3,7 +3,8 @@ ingress prices them at the speculative price, the rest at the baseline price).""
 
 import random
 
-from engine.sampling_params import Mode, RequestOptions, SamplingParams
+from conftest import run_all
+from engine.sampling_params import FinishReason, Mode, RequestOptions, SamplingParams
 
 from test_memory import BLOCK
 
@@ -49,3 +50,30 @@ def test_a_downgraded_request_counts_only_what_it_emitted_while_speculating(make
     dropped = [o for o in finals.values() if 0 < o.num_speculative_tokens < o.num_output_tokens]
     assert dropped, "some request was meant to lose speculation midway"
     assert all(o.mode == Mode.BASELINE for o in dropped)
+
+
+def test_a_stop_inside_a_step_counts_only_the_tokens_kept(make_engine, tiny_family):
+    """A stop token among a step's accepted drafts ends the request there: the tokens the step
+    emitted after it are dropped, and they are not counted as speculative output either (the
+    ingress prices that count). The draft is the target itself, so every draft is accepted and
+    a step emits k + 1 = 5 tokens; the stop token is one inside a step.
+
+    Breaks when `_apply` counts the step's tokens (`num_speculative_output += len(r.tokens)`)
+    instead of those kept up to the stop: the request reports more speculative tokens than
+    output tokens. The other billing tests set `ignore_eos` and stop nowhere mid-step."""
+    params = dict(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = make_engine(draft=False)
+    plain.add_request("plain", [5, 6, 7, 8], SamplingParams(**params))
+    outs, _ = run_all(plain)
+    tokens = outs["plain"]
+    # the first token seen for the first time at an output index that does not end a step
+    # (steps end at indices 0, 5, 10, ...: the prefill's token, then 5 a step)
+    at = next(i for i, t in enumerate(tokens) if i % 5 and i > 1 and t not in tokens[:i])
+    engine = make_engine(draft=tiny_family["target"], adaptive_k=False)
+    engine.add_request("spec", [5, 6, 7, 8], SamplingParams(**params, stop_token_ids=[tokens[at]]),
+                       RequestOptions("speculative", k_max=4))
+    outs, finals = run_all(engine)
+    final = finals["spec"]
+    assert outs["spec"] == tokens[:at + 1] and final.finish_reason == FinishReason.STOP
+    assert engine.metrics.data.num_emitted_tokens > final.num_output_tokens, "no token was cut"
+    assert final.num_speculative_tokens == final.num_output_tokens == at + 1

@@ -1,8 +1,10 @@
 """A new draft swapped in between steps: running requests finish with the target's exact output,
-later steps draft with the new weights, and a draft that cannot share the pool is refused."""
+later steps draft with the new weights and the acceptance estimate starts over, and a draft that
+cannot share the pool is refused."""
 
 import pytest
 
+from engine.acceptance import ENGINE_DECAY, ENGINE_PRIOR_TRIALS, AcceptanceEstimate
 from engine.sampling_params import RequestOptions, SamplingParams
 from models.loader import ModelLoadError, load_model
 
@@ -56,3 +58,33 @@ def test_swap_refuses_another_kv_shape_or_vocabulary(make_engine, tiny_family, t
     with pytest.raises(ModelLoadError, match="vocabulary"):
         engine.load_draft(str(tmp_path))
     assert engine.draft_swaps == 0
+
+
+def test_swap_restarts_the_acceptance_estimate_from_the_prior(make_engine, better_draft):
+    """The old draft's acceptance says nothing about the new one's: after a swap the engine's
+    live estimate (adaptive k, what the router sees) is the prior again, and the next steps
+    move it from there alone.
+
+    Breaks when `swap_draft` keeps the old draft's counts (no `self.acceptance.reset()`): the
+    estimate after the swap is the old draft's, and the new draft's steps move it from there."""
+    engine = make_engine(adaptive_k=False, prior_acceptance=0.2)   # far from the draft's
+    prior = engine.config.prior_acceptance
+    _greedy(engine, "spec", "speculative", n=100)
+    for _ in range(10):
+        engine.step()
+    moved = engine.acceptance
+    assert moved.value > prior + 0.1 and moved.trials != ENGINE_PRIOR_TRIALS
+    engine.swap_draft(engine.load_draft(str(better_draft)))
+    assert engine.global_acceptance == pytest.approx(prior)
+    assert (engine.acceptance.accepted, engine.acceptance.trials) == pytest.approx(
+        (prior * ENGINE_PRIOR_TRIALS, ENGINE_PRIOR_TRIALS))
+    replay = AcceptanceEstimate(prior, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
+    seq = engine.seqs["spec"]
+    drafted, accepted = seq.num_draft_tokens, seq.num_accepted
+    for _ in range(3):
+        (o,) = engine.step()
+        k, a = o.num_draft_tokens - drafted, o.num_accepted_tokens - accepted
+        assert k and a == k                   # the new draft is the target: all accepted
+        drafted, accepted = o.num_draft_tokens, o.num_accepted_tokens
+        replay.observe(a, a)
+    assert engine.global_acceptance == pytest.approx(replay.value, rel=1e-12)

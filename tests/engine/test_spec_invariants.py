@@ -3,7 +3,9 @@
 - reusing the first draft round's q for later positions (needs steps with k >= 2);
 - drawing the accept decisions from the global RNG instead of the request's generator;
 - dropping speculation without freeing the draft's KV;
-- never trimming the blocks that rejected drafts were given.
+- never trimming the blocks that rejected drafts were given;
+- taking the draft's KV to hold a draft token it was never fed (seen with the target as its own
+  draft, which has every draft accepted).
 """
 
 import random
@@ -135,3 +137,22 @@ def test_rejected_drafts_blocks_are_trimmed_after_each_step(tiny_family):
     _drive(engine, check)
     snap = engine.snapshot()
     assert snap.num_draft_tokens > snap.num_accepted_tokens, "no draft was ever rejected"
+
+
+def test_the_target_as_its_own_draft_has_every_draft_accepted(make_engine, tiny_family):
+    """With the target as the draft, greedy drafts are the target's own tokens, so every one is
+    accepted, in every step and at every k. A draft that reads KV it never wrote, or misses
+    KV it wrote, proposes something else now and then; the output stays the target's (it is
+    verified), so only the acceptance shows it.
+
+    Breaks when `_apply` rolls the draft's KV back one token too far forward after a step
+    that accepted all k (`draft_computed = old_len + r.accepted`: the last draft token was
+    never fed to the draft)."""
+    engine = make_engine(draft=tiny_family["target"], adaptive_k=False)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [5 + i, 7, 9 + 2 * i, 11] * (1 + i), params,
+                           RequestOptions("speculative", k_max=1 + i))
+    run_all(engine)
+    snap = engine.snapshot()
+    assert snap.num_draft_tokens > 100 and snap.num_accepted_tokens == snap.num_draft_tokens
