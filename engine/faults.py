@@ -44,14 +44,38 @@ class Faults:
             raise InjectedFault(f"injected fault: {kind}")
 
 
+class Delays:
+    """TEST ONLY: seconds of sleep added where a slow device would add them. "target": every
+    target forward; "drafted_step": the end of every step that drafted, outside the parts the
+    step times for its cost model (a cost the model does not see)."""
+
+    def __init__(self) -> None:
+        self.seconds = {"target": 0.0, "drafted_step": 0.0}
+
+    def set(self, kind: str, seconds: float) -> None:
+        if kind not in self.seconds:
+            raise ValueError(f"unknown delay {kind!r}; known: {sorted(self.seconds)}")
+        self.seconds[kind] = float(seconds)
+
+    def sleep(self, kind: str) -> None:
+        if self.seconds[kind] > 0:
+            import time
+
+            time.sleep(self.seconds[kind])
+
+
 class FaultyRunner:
     """A ModelRunner whose `run` raises when its fault is armed; everything else passes through."""
 
-    def __init__(self, runner, faults: Faults, kind: str):
+    def __init__(self, runner, faults: Faults, kind: str, delays: Delays | None = None,
+                 delay: str | None = None):
         self._runner, self._faults, self._kind = runner, faults, kind
+        self._delays, self._delay = delays, delay
 
     def run(self, *args, **kwargs):
         self._faults.fire(self._kind)
+        if self._delays is not None and self._delay:
+            self._delays.sleep(self._delay)
         return self._runner.run(*args, **kwargs)
 
     def __getattr__(self, name):

@@ -21,7 +21,8 @@ from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, catch_u
                                engine_choose_k)
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError, TPGroupError
-from engine.faults import Faults, FaultyRunner
+from engine.faults import Delays, Faults, FaultyRunner
+from engine.goodput import GoodputCheck
 from engine.kv_cache import BlockPool
 from engine.memory import cpu_kv_budget_bytes, measure_gpu
 from engine.metrics import Metrics, MetricsSnapshot, ServingTimes
@@ -77,8 +78,10 @@ class LLMEngine:
         self.draft = (ModelRunner(self.draft_fw, pool.layers(pool.draft), attention=config.attention)
                       if self.draft_fw else None)
         self.faults = Faults() if config.fault_injection else None    # test-only hook
+        self.delays = Delays() if config.fault_injection else None
         if self.faults is not None:
-            self.target = FaultyRunner(self.target, self.faults, "target_raise")
+            self.target = FaultyRunner(self.target, self.faults, "target_raise", self.delays,
+                                       "target")
             if self.draft is not None:
                 self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
         self.cost = CalibratedCost(self._cost_model(), draft_excess=True)
@@ -90,6 +93,11 @@ class LLMEngine:
         # Engine-wide per-token acceptance a (engine/acceptance.py: decayed pooled counts).
         self.acceptance = AcceptanceEstimate(config.prior_acceptance, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self._probe = DraftProbe()    # drafts now and then when no one has for a while
+        # drafting judged by what it delivers, per acceptance regime (engine/goodput.py)
+        self.goodput = GoodputCheck()
+        self._judged = False          # this step's k was the goodput check's to cap
+        self._step_tokens = 0
+        self._step_drafted = False
         # Where serving time goes: steps against their profile's prices, the loop's time
         # between steps, requests' time in the engine (`EngineStats.serving`).
         self.serving = ServingTimes()
@@ -131,7 +139,12 @@ class LLMEngine:
         catch_up = (catch_up_prices(self.cost, acceptance, catch_up_tokens, tokens_left,
                                     context_tokens) if catch_up_tokens else None)
         ks = engine_choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens, catch_up)
-        return self._probe(ks, k_max, catch_up_tokens)
+        ks = self._probe(ks, k_max, catch_up_tokens)
+        if any(ks):                   # a choice to judge: the check may cap it for a window
+            self._judged = True
+            if not self.goodput.allow(self.global_acceptance):
+                ks = [0] * len(ks)
+        return ks
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -166,6 +179,13 @@ class LLMEngine:
         self.scheduler.finish(seq, FinishReason.ABORT)
         return self._output(seq, [], final=True)
 
+    def set_delay(self, kind: str, seconds: float) -> None:
+        """TEST ONLY (EngineConfig.fault_injection): sleep where a slow device would, see
+        engine/faults.py, `Delays`."""
+        if self.delays is None:
+            raise RuntimeError("fault injection is off (EngineConfig.fault_injection)")
+        self.delays.set(kind, seconds)
+
     def inject_fault(self, kind: str, count: int = 1, after: int = 0) -> None:
         """TEST ONLY (EngineConfig.fault_injection): arm a real fault, see engine/faults.py."""
         if self.faults is None:
@@ -186,10 +206,17 @@ class LLMEngine:
         a final output with `error`); the engine goes on serving the others."""
         start = time.perf_counter()
         self.serving.begin(start)
+        self._judged, self._step_tokens, self._step_drafted = False, 0, False
         try:
-            return self._step(start)
+            outputs = self._step(start)
+            if self.delays is not None and self._step_drafted:
+                self.delays.sleep("drafted_step")
+            return outputs
         finally:
-            self.serving.end(time.perf_counter(), self.scheduler.has_work())
+            end = time.perf_counter()
+            if self._judged:
+                self.goodput.observe(self._step_tokens, end - start)
+            self.serving.end(end, self.scheduler.has_work())
 
     def _step(self, start: float) -> list[RequestOutput]:
         if self.faults is not None:
@@ -211,6 +238,7 @@ class LLMEngine:
                             sum(it.num_feed + it.k for it in items),
                             sum(len(it.seq.token_ids) - it.seq.draft_computed for it in items if it.k),
                             sum(len(it.seq.token_ids) for it in items))
+        self._step_drafted = any(it.k for it in items)
         try:
             results, times = step(items, self.target, self.draft)
         except TPGroupError as exc:   # the group is out of step: no request may run on it again
@@ -219,6 +247,7 @@ class LLMEngine:
         except Exception as exc:
             return outputs + self._fail([it.seq for it in items], exc)
         self.metrics.data.num_steps += 1
+        self._step_tokens = sum(len(r.tokens) for r in results)
         draft_errors = [r for r in results if r.draft_error is not None]
         if draft_errors:
             self.metrics.data.num_draft_failures += 1
@@ -397,7 +426,7 @@ class LLMEngine:
             acceptance_rate=measured,
             token_acceptance=self.global_acceptance if measured is not None else None,
             speculating_acceptance=tuple(self._acceptance(q) for q in s.running if q.speculative),
-            time=time.time())
+            time=time.time(), drafting_pays=self.goodput.verdict(self.global_acceptance))
 
     def snapshot(self) -> MetricsSnapshot:
         s = self.scheduler

@@ -62,6 +62,8 @@ class EngineStats:
     kv_peak_draft_bytes: int = 0           # KV_PEAK_WINDOW_S (engine/llm_engine.py), now included
     available: bool = True                 # False: the engine loop died (being replaced)
     serving: ServingTimes | None = None    # steps against their profile, loop gaps, requests
+    drafting_pays: bool | None = None      # what drafting delivered at the live acceptance,
+    #   measured (engine/goodput.py): True pays, False loses to plain decoding, None not judged
 
     @property
     def load(self) -> int:

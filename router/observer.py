@@ -155,7 +155,8 @@ class Observer:
             acceptance_by_class=self.acceptance_by_class() if kind == "target" else {},
             acceptance_samples=tuple(self.samples),
             mean_output_tokens=sum(self.output_lengths) / n if n else 0.0,
-            cost=self._cost(kind, replica_id, s) if draft_kv > 0 else None)
+            cost=self._cost(kind, replica_id, s) if draft_kv > 0 else None,
+            drafting_loses=s.drafting_pays is False)
 
 
 def _tier_health(replicas: dict, profile: bool = False) -> dict:

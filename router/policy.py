@@ -13,7 +13,9 @@ Rules, first match wins (reasons are machine-readable and returned to the caller
   queue deep (hysteresis)-> small, if the caller allows a downgrade and the small tier's
                            queue is shorter                                   queue_deep
   plan standard          -> baseline   plan_standard
-  plan auto              -> baseline   no_draft | kv_headroom | acceptance_low, else
+  plan auto              -> baseline   no_draft | kv_headroom | drafting_loses (the engine
+                           measured drafting delivering less than plain decoding at its live
+                           acceptance, engine/goodput.py) | acceptance_low, else
                            speculative speculation_pays: the request's class pays alone on the
                            replica's profile (`speculation_gain` of it alone >= min_gain), and
                            the engine's adaptive k then decides each step, at every batch,
@@ -39,7 +41,8 @@ PLANS = ("premium", "standard", "economy", "auto")
 SPECULATION = ("auto", "on", "off")
 TIERS = ("speculative", "baseline", "small")
 REASONS = ("speculation_off", "plan_economy", "plan_premium", "speculation_on", "no_draft",
-           "kv_headroom", "queue_deep", "plan_standard", "acceptance_low", "speculation_pays")
+           "kv_headroom", "queue_deep", "plan_standard", "drafting_loses", "acceptance_low",
+           "speculation_pays")
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
     blocked = _speculation_blocked(request, target, config)
     if blocked:
         return Decision("baseline", 0, blocked, state)
+    if target.drafting_loses:          # measured, not predicted: the model missed something
+        return Decision("baseline", 0, "drafting_loses", state)
     a = target.acceptance_by_class.get(request.prompt_class, config.default_acceptance)
     # Whether this class's acceptance pays for drafting, priced at the replica's profile: what
     # a replica learns while serving (`CalibratedCost`: the draft's price factor, the per-

@@ -35,6 +35,8 @@ class TierStats:
     #   one each: the spread the policy needs to foresee a batch's lowest acceptance
     mean_output_tokens: float = 0.0  # recent mean output length (0: unknown, use max_tokens)
     cost: StepCostModel | None = None  # step-time model; None: no draft, cannot speculate
+    drafting_loses: bool = False  # the engine measured drafting delivering less than plain
+    #   decoding at its live acceptance (engine/goodput.py)
 
     def __post_init__(self) -> None:
         if min(self.decode_batch_size, self.num_speculating, self.queue_depth) < 0:

@@ -59,6 +59,15 @@ def test_engine_stats_become_policy_stats():
     assert obs.draft_swapped() == ["code"] and obs.cluster_stats().target.acceptance_samples == ()
 
 
+def test_a_replica_that_measured_drafting_losing_tells_the_policy():
+    """`EngineStats.drafting_pays` False (engine/goodput.py) becomes `drafting_loses`; True and
+    None (not judged yet) do not."""
+    for pays, loses in ((False, True), (True, False), (None, False)):
+        obs = Observer()
+        obs.report("a", engine_stats(drafting_pays=pays))
+        assert obs.cluster_stats().target.drafting_loses is loses
+
+
 def test_small_tier_never_speculates_and_a_dead_replica_goes_last():
     obs = Observer()
     obs.report("s", engine_stats(draft_kv_bytes_per_token=5.0), "small")

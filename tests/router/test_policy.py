@@ -54,6 +54,9 @@ TABLE = [
     (req(allow_downgrade=True), cluster(small_queue=None, queue_depth=20), STATE,
      "speculative", "speculation_pays"),
     (req(plan="standard"), cluster(), STATE, "baseline", "plan_standard"),
+    # the engine measured drafting losing at its live acceptance: auto follows, premium keeps it
+    (req(), cluster(drafting_loses=True), STATE, "baseline", "drafting_loses"),
+    (req(plan="premium"), cluster(drafting_loses=True), STATE, "speculative", "plan_premium"),
     (req(prompt_class="creative"), cluster(acceptance_by_class={"creative": 0.03}), STATE,
      "baseline", "acceptance_low"),
     (req(), cluster(decode_batch_size=200, context_tokens=200 * 800,

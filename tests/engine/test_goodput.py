@@ -1,0 +1,103 @@
+"""Drafting judged by what it delivers (engine/goodput.py): the check alone on given step times,
+and in the engine, where a drafting step's cost the step-cost model does not see turns
+drafting off while the model says it pays, and back on once that cost is gone."""
+
+import pytest
+
+from engine.goodput import GoodputCheck
+from engine.sampling_params import RequestOptions, SamplingParams
+
+
+def _drive(check: GoodputCheck, steps: int, rate: dict[bool, float], a: float = 0.8) -> list:
+    """Run `steps` judged steps; a step drafting delivers rate[True] tokens a second, capped
+    rate[False]. Returns whether each step was allowed to draft."""
+    allowed = []
+    for _ in range(steps):
+        draft = check.allow(a)
+        allowed.append(draft)
+        check.observe(tokens=10, seconds=10 / rate[draft])
+    return allowed
+
+
+def test_drafting_that_delivers_less_is_capped_and_drafting_that_pays_stays():
+    check = GoodputCheck(window_steps=4, pairs=3, recheck_steps=64)
+    _drive(check, 4 * 2 * 3, {True: 90.0, False: 100.0})
+    assert check.verdict(0.8) is False
+    assert not any(_drive(check, 32, {True: 90.0, False: 100.0}))    # capped after the verdict
+    fresh = GoodputCheck(window_steps=4, pairs=3, recheck_steps=64)
+    _drive(fresh, 24, {True: 150.0, False: 100.0})
+    assert fresh.verdict(0.8) is True and all(_drive(fresh, 32, {True: 150.0, False: 100.0}))
+
+
+def test_a_tie_goes_to_plain_decoding():
+    """Within the margin drafting does not pay: never slower than plain decoding."""
+    check = GoodputCheck(window_steps=4, pairs=3, margin=0.02)
+    _drive(check, 24, {True: 101.0, False: 100.0})
+    assert check.verdict(0.8) is False
+
+
+def test_a_verdict_is_rechecked_and_follows_a_change():
+    check = GoodputCheck(window_steps=4, pairs=2, recheck_steps=32)
+    _drive(check, 16, {True: 80.0, False: 100.0})
+    assert check.verdict(0.8) is False
+    allowed = _drive(check, 400, {True: 200.0, False: 100.0})    # the draft got faster
+    assert check.verdict(0.8) is True and allowed[-16:].count(False) <= 4   # a recheck window
+    # a recheck costs one window of the alternative in each recheck_steps + a pair's steps
+    check = GoodputCheck(window_steps=16)
+    allowed = _drive(check, 20000, {True: 200.0, False: 100.0})
+    assert allowed[-10000:].count(False) / 10000 < 0.01
+
+
+def test_regimes_are_judged_apart():
+    """A shift of acceptance to another regime is judged afresh, not by the old verdict."""
+    check = GoodputCheck(window_steps=4, pairs=2)
+    _drive(check, 16, {True: 80.0, False: 100.0}, a=0.35)
+    assert check.verdict(0.35) is False and check.verdict(0.85) is None
+    _drive(check, 16, {True: 150.0, False: 100.0}, a=0.85)
+    assert check.verdict(0.85) is True and check.verdict(0.35) is False
+
+
+@pytest.mark.slow
+def test_the_engine_stops_drafting_where_a_hidden_cost_makes_it_lose(make_engine, tiny_family):
+    """The target is its own draft (every draft accepted) and each target forward sleeps
+    4 ms, so the step-cost model, calibrated on the steps' timed parts, says drafting pays.
+    Every drafting step then also sleeps 40 ms outside those parts: drafting delivers less
+    than plain decoding, and the check caps it (the router is told: `drafting_pays` False).
+    With the sleep gone, the recheck finds drafting pays again and lets it draft.
+    Breakage that turns it red: `_choose_k` not consulting the check (drafting never stops),
+    or the check judging the model's prediction rather than the measured steps."""
+    from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost
+
+    engine = make_engine(draft=tiny_family["target"], fault_injection=True, profile=False)
+    # a profile in which the draft is cheap next to the target (as the delayed target makes it)
+    engine.cost = CalibratedCost(LinearStepCost(LinearCost(5e-3, 1e-4, 1e-5),
+                                                LinearCost(3e-4, 1e-5, 1e-6)), draft_excess=True)
+    engine.goodput = GoodputCheck(window_steps=4, pairs=2, recheck_steps=48)
+    engine.set_delay("target", 0.004)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    added = 0
+
+    def run(steps: int) -> list[bool]:
+        """Steps of a batch of four speculative requests (a finished one is replaced)."""
+        nonlocal added
+        drafted = []
+        for _ in range(steps):
+            while len(engine.seqs) < 4:
+                engine.add_request(f"r{added}", [5, 7, 9, 11 + added % 50], params,
+                                   RequestOptions("speculative", k_max=4))
+                added += 1
+            engine.step()
+            drafted.append(engine._step_drafted)
+        return drafted
+
+    run(40)                                        # calibrated: drafting pays in the model
+    assert engine.goodput.verdict(engine.global_acceptance) is True
+    engine.set_delay("drafted_step", 0.040)
+    drafted = run(120)
+    assert engine.goodput.verdict(engine.global_acceptance) is False
+    assert engine.stats().drafting_pays is False
+    assert drafted[-16:].count(True) <= 4          # capped but for a recheck window
+    engine.set_delay("drafted_step", 0.0)
+    drafted = run(160)
+    assert engine.goodput.verdict(engine.global_acceptance) is True
+    assert all(drafted[-8:])
