@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from router.config import AppConfig, TierModelConfig, load_config, uses_demo_family
@@ -27,6 +28,20 @@ def test_local_yaml_loads_with_the_demo_family(tmp_path):
     assert cfg.small is not None and cfg.small.num_replicas == 1
     assert cfg.target.tp_size == 1 and cfg.target.device == "cpu"
     assert cfg.auth.keys_file and os.path.isabs(cfg.auth.keys_file)
+
+
+def test_the_benchmark_config_serves_as_make_run_does(tmp_path):
+    """The number published is the number served: bench-http.yaml differs from local.yaml (what
+    `make run` serves) in the key it asks for and the names, never in a setting of a tier or of
+    the serving path."""
+    local = load_config(CONFIGS / "local.yaml", demo_dir=tmp_path)
+    bench = load_config(CONFIGS / "bench-http.yaml", demo_dir=tmp_path)
+    assert bench.target == local.target and bench.small == local.small
+    assert bench.limits == local.limits and bench.stats == local.stats
+    assert bench.policy == local.policy
+    launch = [yaml.safe_load((CONFIGS / name).read_text())["launcher"]
+              for name in ("local.yaml", "bench-http.yaml")]
+    assert launch[0] == launch[1]
 
 
 def test_relative_demo_dir_is_taken_from_the_working_directory(tmp_path, monkeypatch):
