@@ -119,8 +119,12 @@ class Workload:
         self.rng = random.Random(seed)
 
     def draw(self) -> Prompt:
+        from cluster.bench.synthetic import OUTPUT_SCALE
+
         cls = self.rng.choices(self.classes, self.weights)[0]
-        return Prompt(cls, self.rng.choice(self.prompts[cls]), self.rng.randint(self.low, self.high))
+        tokens = self.rng.randint(self.low, self.high)
+        return Prompt(cls, self.rng.choice(self.prompts[cls]),
+                      max(1, round(tokens * OUTPUT_SCALE.get(cls, 1.0))))
 
 
 async def closed_loop(issue, users: int, stop_at: float, think_s: float, rng: random.Random,

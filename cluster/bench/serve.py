@@ -40,7 +40,8 @@ def add_arguments(parser) -> None:
     a("--warmup-s", type=float, default=10.0, help="seconds before each measured window")
     a("--duration-s", type=float, default=60.0, help="measured window per run")
     a("--repeats", type=int, default=2, help="runs per (policy, load), order rotated")
-    a("--mix", default="code=1,prose=1,chat=1", help="prompt classes and weights")
+    a("--mix", default="code=1,prose=1,chat=1", help="prompt classes and weights; besides the "
+      "repo's classes, random (random-word text) and long (long prompts, short answers)")
     a("--prompts", default=str(PROMPTS_DIR), help="folder of CLASS.jsonl prompt files")
     a("--output-tokens", type=int, default=64, help="mean max_tokens of a request")
     a("--output-spread", type=float, default=0.5, help="max_tokens uniform in mean*(1 +- spread)")
@@ -61,10 +62,25 @@ def _list(text: str, cast) -> list:
 
 
 def load_prompts(folder: str | Path, classes: list[str]) -> dict[str, list[str]]:
+    """Each class's prompts: `folder`/CLASS.jsonl, or a synthetic source (`random`, `long`:
+    cluster/bench/synthetic.py)."""
+    from cluster.bench.synthetic import SYNTHETIC, long_prompts, random_word_prompts
+
     out = {}
     for cls in classes:
-        path = Path(folder) / f"{cls}.jsonl"
-        out[cls] = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+        if cls == "random":
+            out[cls] = random_word_prompts()
+        elif cls == "long":
+            written = [p for c in ("code", "prose", "chat")
+                       for p in load_prompts(PROMPTS_DIR, [c])[c]]
+            out[cls] = long_prompts(written)
+        else:
+            path = Path(folder) / f"{cls}.jsonl"
+            if not path.is_file():
+                raise ValueError(f"no prompts for class {cls!r}: {path} does not exist (built in: "
+                                 f"{', '.join(SYNTHETIC)})")
+            out[cls] = [json.loads(line)["prompt"] for line in path.read_text().splitlines()
+                        if line.strip()]
     return out
 
 

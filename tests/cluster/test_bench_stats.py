@@ -165,3 +165,27 @@ def test_a_windows_serving_times_are_the_differences_of_its_first_and_last_readi
     h.samples = h.samples[1:2]
     q = h.peaks(1.0, 4.0)["target"]
     assert q["target_factor"] is None and q["loop_gap_ms"] is None and q["engine_request_s"] is None
+
+
+def test_bench_serve_draws_traffic_the_repo_did_not_write():
+    """`--mix random=1,long=1`: random-word prompts of 48 words, and long prompts (600 words and
+    more, from the repo's prompts) whose answers are an eighth of the mean; the same draws for
+    every policy of a repeat (a seeded workload)."""
+    from cluster.bench.client import Workload
+    from cluster.bench.serve import PROMPTS_DIR, load_prompts
+
+    prompts = load_prompts(PROMPTS_DIR, ["random", "long", "code"])
+    assert all(len(p.split()) == 48 for p in prompts["random"])
+    assert min(len(p.split()) for p in prompts["long"]) >= 600
+    written = {p for ps in load_prompts(PROMPTS_DIR, ["code", "prose", "chat"]).values() for p in ps}
+    assert not set(prompts["random"]) & written
+    draws = [Workload(prompts, {"random": 1, "long": 1}, 64, 0.0, seed=3).draw() for _ in range(2)]
+    assert draws[0] == draws[1]
+    w = Workload(prompts, {"random": 1, "long": 1}, 64, 0.0, seed=3)
+    lengths = {}
+    for _ in range(200):
+        p = w.draw()
+        lengths.setdefault(p.prompt_class, set()).add(p.max_tokens)
+    assert lengths == {"random": {64}, "long": {8}}
+    with pytest.raises(ValueError, match="no prompts for class 'nope'"):
+        load_prompts(PROMPTS_DIR, ["nope"])
