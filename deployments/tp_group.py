@@ -96,13 +96,9 @@ class RayPeers:
 
     def abort(self) -> None:
         """Break rank 0's side of the group (ranks blocked in a collective fail at once)."""
-        import torch.distributed as dist
+        from engine.tp_worker import leave_group
 
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        leave_group()
 
     def inject_fault(self, count: int = 1, after: int = 0) -> None:
         """TEST ONLY: arm rank 1's mid-forward fault (engine/tp_worker.py, `TPWorker`)."""

@@ -69,6 +69,16 @@ def _status_kib(field: str) -> int:
     return 0
 
 
+def leave_group() -> None:
+    """Break this process's side of the group, so ranks blocked in a collective with it fail
+    instead of waiting out the timeout (a no-op outside a group, or on a broken one)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
 def rank_options(config) -> dict:
     """What a rank > 0 is built from (`TPWorker(rank, world, init_method, **rank_options)`), for
     every launcher of ranks (`LocalPeers`, deployments/tp_group.py), from rank 0's EngineConfig:
@@ -262,11 +272,7 @@ class LocalPeers:
             raise first
 
     def abort(self) -> None:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        leave_group()
 
     def inject_fault(self, count: int = 1, after: int = 0) -> None:
         """TEST ONLY: arm rank 1's mid-forward fault (`TPWorker.inject_fault`)."""
@@ -289,5 +295,4 @@ class LocalPeers:
                 pass
         for p in self.procs:
             p.join(timeout=10)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()

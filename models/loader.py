@@ -160,15 +160,21 @@ def load_tokenizer(path: str | Path):
         raise ModelLoadError(f"tokenizer in {path} cannot be loaded: {exc}") from exc
 
 
+def _checked(path: str | Path, dtype, device) -> tuple[Path, torch.dtype]:
+    """The folder, checked (config, weights, safetensors headers), and a dtype the device runs."""
+    path = Path(path).expanduser().resolve()
+    _check_folder(path)
+    torch_dtype = resolve_dtype(dtype, device)
+    check_dtype_on_device(torch_dtype, device)
+    return path, torch_dtype
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu") -> LoadedModel:
     """Load any `AutoModelForCausalLM` checkpoint from a local folder, checked first."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(path).expanduser().resolve()
-    _check_folder(path)
-    torch_dtype = resolve_dtype(dtype, device)
-    check_dtype_on_device(torch_dtype, device)
+    path, torch_dtype = _checked(path, dtype, device)
     try:
         config = AutoConfig.from_pretrained(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
@@ -231,10 +237,7 @@ def load_served(path: str | Path, dtype: str | torch.dtype = "auto",
     from models.checkpoint import Checkpoint, CheckpointError
     from models.llama import LlamaForward
 
-    path = Path(path).expanduser().resolve()
-    _check_folder(path)
-    torch_dtype = resolve_dtype(dtype, device)
-    check_dtype_on_device(torch_dtype, device)
+    path, torch_dtype = _checked(path, dtype, device)
     try:
         config = AutoConfig.from_pretrained(str(path))
         ckpt = Checkpoint(path)
