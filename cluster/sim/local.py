@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.sim.served import ByBatch, bench_acceptance, bench_learnt, bench_path, window_level
-from engine.cost_model import step_cost_from_dict
+from engine.calibration import step_cost_from_dict
 
 
 def add_arguments(parser) -> None:

@@ -10,7 +10,7 @@ fit the empty replica is refused, and so is one that arrives while `max_waiting`
 (the engine's queue bound: `LLMEngine.add_request` refuses with 429 beyond it).
 A step is up to k draft rounds then one target verify. Two cost models: `ReplicaConfig.cost`
 is the truth and times every step; the engine's belief (`believed`, default the truth) is a
-`CalibratedCost` that picks k by the engine's own rule (`engine.cost_model.engine_choose_k`, with
+`CalibratedCost` that picks k by the engine's own rule (`engine.k_rule.engine_choose_k`, with
 the draft's catch-up priced as the engine prices it: a draft reads its prompt in the sequence's
 first drafting step, and what it skipped in its next one), calibrates on each decode step as
 `LLMEngine` does, and is what `engine_stats` reports to the router. Each draft token at output
@@ -30,8 +30,9 @@ from cluster.sim.scenarios import Deployment, RequestSpec
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.config import EngineConfig
-from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, StepCostModel,
-                               catch_up_prices, engine_choose_k, step_parts)
+from engine.calibration import CATCH_UP_MAX, CalibratedCost
+from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
+from engine.step_cost import StepCostModel, step_parts
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from engine.outputs import EngineStats
 
