@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import SeqSlice
 from engine.calibration import step_cost_from_dict
-from engine.kv_cache import blocks_needed
+from engine.kv_rules import blocks_needed
 from engine.step_cost import LinearCost, LinearStepCost, TableCost, TableStepCost
 
 # Cached tokens per sequence while timing: the middle of the contexts served in the benchmarks

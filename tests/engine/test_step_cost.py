@@ -16,8 +16,8 @@ ROOFLINE = RooflineStepCost(GPUS["A100-80GB"], MODELS["Llama-2-70B"], MODELS["Ll
 
 
 def test_import_is_pure_python():
-    code = ("import sys, engine.step_cost, engine.calibration, engine.k_rule, engine.hardware, "
-            "router.policy, router.stats; "
+    code = ("import sys, engine.step_cost, engine.calibration, engine.k_rule, engine.kv_rules, "
+            "engine.hardware, cluster.sim.replica, router.policy, router.stats; "
             "print(any(m in sys.modules for m in ('torch', 'ray', 'numpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
