@@ -16,8 +16,8 @@ import torch
 
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
-from engine.config import EngineConfig
 from engine.calibration import CATCH_UP_MAX, CalibratedCost
+from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError, TPGroupError
 from engine.faults import Faults, FaultyRunner

@@ -6,9 +6,10 @@ tokens it has computed plus what the next step writes (its chunk, or 1 + k); a r
 admitted when its prompt fits beside one growth block per running sequence, and a speculative
 one as baseline when it would leave too little headroom; when a step's blocks do not fit,
 speculating sequences drop to baseline first (draft KV freed) and then sequences are preempted
-(all KV freed, prefilled again later with the tokens they had), in the engine's victim order. A request whose prompt + max_tokens cannot
-fit the empty replica is refused, and so is one that arrives while `max_waiting` requests wait
-(the engine's queue bound: `LLMEngine.add_request` refuses with 429 beyond it).
+(all KV freed, prefilled again later with the tokens they had), in the engine's victim order.
+A request whose prompt + max_tokens cannot fit the empty replica is refused, and so is one
+that arrives while `max_waiting` requests wait (the engine's queue bound:
+`LLMEngine.add_request` refuses with 429 beyond it).
 A step is up to k draft rounds then one target verify. Two cost models: `ReplicaConfig.cost`
 is the truth and times every step; the engine's belief (`believed`, default the truth) is a
 `CalibratedCost` that picks k by the engine's own rule (`engine.k_rule.engine_choose_k`, with
@@ -31,13 +32,13 @@ from cluster.sim.scenarios import Deployment, RequestSpec
 from engine import kv_rules
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
-from engine.config import EngineConfig
 from engine.calibration import CATCH_UP_MAX, CalibratedCost
-from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
-from engine.step_cost import StepCostModel, step_parts
+from engine.config import EngineConfig
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
+from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
 from engine.outputs import EngineStats
 from engine.sampling_params import RequestOptions
+from engine.step_cost import StepCostModel, step_parts
 
 PRIOR_ACCEPTANCE = EngineConfig.prior_acceptance  # what an engine assumes before it measures
 BLOCK_TOKENS = EngineConfig.block_size
