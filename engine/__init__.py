@@ -1,8 +1,8 @@
 """Token-level inference: sequences, KV budgets, the continuous-batching scheduler, speculative
 steps, rejection sampling and metrics. Imports torch and `models/`; never Ray or the serving side.
 
-Kept free of imports on purpose: `engine.cost_model` is pure Python and is imported by the policy
-and the simulator without pulling torch.
+Kept free of imports on purpose: `engine.step_cost`, `engine.calibration` and `engine.k_rule` are
+pure Python and are imported by the policy and the simulator without pulling torch.
 """
 
 import os

@@ -1,6 +1,6 @@
 """Drafting judged by what it delivers: short windows with drafting capped and uncapped, compared.
 
-The k rule (`engine/cost_model.py`) drafts where its step-cost model predicts a gain. A model can
+The k rule (`engine/k_rule.py`) drafts where its step-cost model predicts a gain. A model can
 be wrong where it matters: a draft slower than its profile, traffic whose acceptance differs
 from what the profile saw, costs the profile never timed. `GoodputCheck` measures instead: on
 the live batch it alternates windows of `window_steps` steps with drafting capped (k = 0 for

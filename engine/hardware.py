@@ -1,10 +1,10 @@
 """Datasheet presets of GPUs and models, and the roofline step cost derived from them.
 
 For machines we cannot run on (the simulator's 70B over four A100s): `GPUS` and `MODELS` are the
-catalogue, `RooflineStepCost` a `engine.cost_model.StepCostModel` computed from it, max(bytes /
+catalogue, `RooflineStepCost` a `engine.step_cost.StepCostModel` computed from it, max(bytes /
 bandwidth, FLOPs / matmul rate) per forward plus tensor-parallel all-reduces. Pure Python, like
 the cost model: no torch, no Ray. Measured costs (what an engine profiles on its own device)
-live in `engine/cost_model.py`.
+live in `engine/step_cost.py`.
 """
 
 from __future__ import annotations

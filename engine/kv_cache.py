@@ -225,7 +225,3 @@ class BlockPool:
 
     def bytes_used(self, owner: str) -> int:
         return self.used_by[owner] * self.block_bytes
-
-
-def blocks_needed(num_tokens: int, tokens_per_block: int) -> int:
-    return -(-num_tokens // tokens_per_block)

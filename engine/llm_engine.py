@@ -16,13 +16,13 @@ import torch
 
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
+from engine.calibration import CATCH_UP_MAX, CalibratedCost
 from engine.config import EngineConfig
-from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, catch_up_prices, step_parts,
-                               engine_choose_k)
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError, TPGroupError
 from engine.faults import Delays, Faults, FaultyRunner
 from engine.goodput import GoodputCheck
+from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
 from engine.kv_cache import BlockPool
 from engine.memory import cpu_kv_budget_bytes, measure_gpu
 from engine.metrics import Metrics, MetricsSnapshot, ServingTimes
@@ -32,6 +32,7 @@ from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
 from engine.spec_decode import StepResult, StepTimes, step
+from engine.step_cost import step_parts
 from models.loader import check_compatible, load_served
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class LLMEngine:
                   tokens_left: list[int] | None = None) -> list[int]:
         if not self.config.adaptive_k:
             return list(k_max)
-        # The engine's rule, which the simulator's engines share (engine/cost_model.py).
+        # The engine's rule, which the simulator's engines share (engine/k_rule.py).
         catch_up = (catch_up_prices(self.cost, acceptance, catch_up_tokens, tokens_left,
                                     context_tokens) if catch_up_tokens else None)
         ks = engine_choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens, catch_up)
@@ -293,7 +294,7 @@ class LLMEngine:
         detokenizes and attends over other contexts. `CalibratedCost(draft_excess=True)` prices
         the draft from its rounds' own time and its tokens' share of the verify forward (both
         timed apart by `step`) and puts what every step costs beyond that and the table on
-        every sequence (`engine/cost_model.py` says why the draft is not priced per sequence).
+        every sequence (`engine/calibration.py` says why the draft is not priced per sequence).
         Steps in which a draft caught up on a prompt (a prefill) are not passed here (`step`):
         timed as decode steps, they would price drafting at several times its cost.
         """

@@ -122,7 +122,8 @@ def measure_gpu(engine) -> MemoryPlan:
     target forward at `plan_tokens` tokens (one sequence's prefill over a scratch pool) and of
     a draft round over `max_num_seqs` sequences, measured by torch's allocator."""
     from engine.attention import SeqSlice
-    from engine.kv_cache import BlockPool, blocks_needed
+    from engine.kv_cache import BlockPool
+    from engine.kv_rules import blocks_needed
     from engine.model_runner import ModelRunner
 
     c = engine.config

@@ -61,7 +61,7 @@ class ServingTimes:
     `bench serve` takes each window's differences from `/health`, and `specserve simulate
     --scenario local-cpu` times its engines with them):
       - steps: every step's seconds, its draft rounds' part, and what the engine's profiled
-        cost prices the same steps at (`engine.cost_model.step_parts`), so that a window's
+        cost prices the same steps at (`engine.step_cost.step_parts`), so that a window's
         steps took (step_s - draft_s) / priced_target_s and draft_s / priced_draft_s of their
         profile's prices, over all its steps (prompt chunks and drafts catching up included)
         rather than the calibration's last reading;

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.cost_model import CalibratedCost
+from engine.calibration import CalibratedCost
 from engine.metrics import ServingTimes
 from engine.sampling_params import FinishReason, Mode
 

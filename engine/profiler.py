@@ -1,7 +1,7 @@
 """Measuring the step-cost model at engine start, cached per model pair and device.
 
 Owns: timing a few target and draft forwards over batches of different sizes and query lengths,
-keeping them as an interpolated table (`engine.cost_model.TableStepCost`), cached as JSON (a second start
+keeping them as an interpolated table (`engine.step_cost.TableStepCost`), cached as JSON (a second start
 with the same models, dtype, device and threads reads it back at once). A few seconds on CPU.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from engine.attention import SeqSlice
-from engine.cost_model import (LinearCost, LinearStepCost, TableCost, TableStepCost,
-                               step_cost_from_dict)
-from engine.kv_cache import blocks_needed
+from engine.calibration import step_cost_from_dict
+from engine.kv_rules import blocks_needed
+from engine.step_cost import LinearCost, LinearStepCost, TableCost, TableStepCost
 
 # Cached tokens per sequence while timing: the middle of the contexts served in the benchmarks
 # (128-token prompts, up to 128 new). Attention's cost grows with context, and a verify row

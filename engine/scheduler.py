@@ -5,11 +5,13 @@ how many draft tokens each proposes (k, from the adaptive rule), and the blocks 
 Requests join and leave between steps. Does not own: the forward passes or sampling.
 
 Memory rule (docs/architecture.md; why: docs/decisions/0001-draft-kv-in-one-budget.md): a step
-only runs when every block it writes is allocated. When blocks run short the scheduler first drops speculation for the lowest-priority
-sequences (k = 0, draft KV freed, mode -> baseline for good), and only then preempts the
-lowest-priority sequences (all KV freed; they are prefilled again later, with the same tokens).
-New speculative requests are admitted as baseline when headroom is low. Nothing allocates
-outside this module, so the pool can never be overdrawn.
+only runs when every block it writes is allocated. When blocks run short the scheduler first
+drops speculation for the lowest-priority sequences (k = 0, draft KV freed, mode -> baseline for
+good), and only then preempts the lowest-priority sequences (all KV freed; they are prefilled
+again later, with the same tokens). New speculative requests are admitted as baseline when
+headroom is low. The admission test, that threshold and the victim order are the pure functions
+of `engine/kv_rules.py`, which the simulator's replicas apply too. Nothing allocates outside
+this module, so the pool can never be overdrawn.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.kv_cache import BlockPool, blocks_needed
+from engine import kv_rules
+from engine.kv_cache import BlockPool
+from engine.kv_rules import blocks_needed
 from engine.sampling_params import FinishReason, Mode
 from engine.sequence import Sequence, Status
 
@@ -46,7 +50,8 @@ class SchedulerLimits:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
-    spec_min_free_fraction: float = 0.10   # below this headroom, new requests do not speculate
+    spec_min_free_fraction: float = kv_rules.SPEC_MIN_FREE_FRACTION   # below this headroom, new
+    #   requests do not speculate (`kv_rules.keeps_speculation`)
     # How a step that carries prompt tokens (a request admitted now, or a prompt's next chunk)
     # treats the decoding batch; the new request's first token waits for that step:
     #   "mixed": the batch decodes and drafts in it as in any step (throughput first);
@@ -163,17 +168,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _victims(self) -> list[Sequence]:
-        """Lowest priority first; among equals, the latest arrival first."""
-        return sorted(self.running, key=lambda s: (s.options.priority, -s.arrival))
-
     def schedule(self) -> list[ScheduledSeq]:
+        """The next step: (1) running sequences' decode items, with k, and prompt chunks;
+        (2) speculation dropped, then sequences preempted, until its blocks fit; (3) waiting
+        sequences admitted while tokens, sequence slots and blocks allow."""
         limits = self.limits
         budget = limits.max_num_batched_tokens
         items: dict[int, ScheduledSeq] = {}
-        # 1. Running sequences: decode items (with k) and prefill continuations. Every decoding
-        #    sequence enters the k decision (k_max 0 in baseline mode: it pays for draft rounds
-        #    too); prefill riding in the same forward is passed as extra tokens.
         mode = limits.prefill_mode
         carries = mode != "mixed" and self._carries_prompt(budget)
         alone = mode == "alone" and carries and not self.last_alone
@@ -181,21 +182,7 @@ class Scheduler:
         decode = [] if alone else [s for s in self.running if not s.in_prefill]
         ks = {}
         if any(s.speculative for s in decode) and not (mode == "no_draft" and carries):
-            room = [max(0, min(s.options.k_max, limits.max_model_len - len(s.token_ids) - 1,
-                               s.params.max_tokens - s.num_output - 1)) if s.speculative else 0
-                    for s in decode]
-            prefill = sum(len(s.token_ids) - s.num_computed for s in self.running if s.in_prefill)
-            context = sum(len(s.token_ids) for s in decode)
-            # A draft on time lags by 1-2 tokens (the last step's bonus and accepted ones), which
-            # its round feeds anyway; one that has never run (draft_computed 0) first feeds the
-            # whole context, one stopped for a while every token it skipped.
-            catch_up = [len(s.token_ids) - s.draft_computed - 2 if s.draft_computed
-                        else len(s.token_ids) for s in decode]
-            left = [min(s.params.max_tokens - s.num_output, limits.max_model_len - len(s.token_ids))
-                    for s in decode]
-            chosen = self.choose_k([self.acceptance(s) for s in decode], room, context,
-                                   min(prefill, budget), [max(0, n) for n in catch_up], left)
-            ks = {id(s): k for s, k in zip(decode, chosen)}
+            ks = self._choose_ks(decode, budget)
         for s in self.running:
             if s.in_prefill:
                 # At least one piece: a prompt under way always advances.
@@ -206,27 +193,58 @@ class Scheduler:
                 k = ks.get(id(s), 0)
                 items[id(s)] = ScheduledSeq(s, len(s.token_ids) - s.num_computed, k)
                 budget -= 1 + k
-        # 2. Make the blocks fit: drop speculation first, then preempt. Victims are chosen among
-        #    all running sequences, so in a step of prompts alone also among the decoding ones
-        #    that sit it out and have no item here.
+        self._make_room(items)
+        for it in items.values():
+            self._allocate(it)
+        self._admit(items, budget)
+        return list(items.values())
+
+    def _choose_ks(self, decode: list[Sequence], budget: int) -> dict[int, int]:
+        """k for each decoding sequence, by id. Every decoding sequence enters the k decision
+        (k_max 0 in baseline mode: it pays for draft rounds too); prefill riding in the same
+        forward is passed as extra tokens."""
+        limits = self.limits
+        room = [max(0, min(s.options.k_max, limits.max_model_len - len(s.token_ids) - 1,
+                           s.params.max_tokens - s.num_output - 1)) if s.speculative else 0
+                for s in decode]
+        prefill = sum(len(s.token_ids) - s.num_computed for s in self.running if s.in_prefill)
+        context = sum(len(s.token_ids) for s in decode)
+        # A draft on time lags by 1-2 tokens (the last step's bonus and accepted ones), which
+        # its round feeds anyway; one that has never run (draft_computed 0) first feeds the
+        # whole context, one stopped for a while every token it skipped.
+        catch_up = [len(s.token_ids) - s.draft_computed - 2 if s.draft_computed
+                    else len(s.token_ids) for s in decode]
+        left = [min(s.params.max_tokens - s.num_output, limits.max_model_len - len(s.token_ids))
+                for s in decode]
+        chosen = self.choose_k([self.acceptance(s) for s in decode], room, context,
+                               min(prefill, budget), [max(0, n) for n in catch_up], left)
+        return {id(s): k for s, k in zip(decode, chosen)}
+
+    def _make_room(self, items: dict[int, ScheduledSeq]) -> None:
+        """Until the step's blocks fit: speculation dropped, then sequences preempted, in the
+        order of the shared rule (`kv_rules.next_victim`); a sequence alone and still too long
+        for the whole pool is truncated. Victims are chosen among all running sequences, so in
+        a step of prompts alone also among the decoding ones that sit it out (no item here)."""
         while sum(sum(self._need(it)) for it in items.values()) > self.pool.num_free:
-            spec_victims = [s for s in self._victims() if s.speculative
-                            and (id(s) in items and items[id(s)].k or s.draft_blocks)]
-            if spec_victims:
-                victim = spec_victims[0]
+            victim, drops = kv_rules.next_victim(
+                self.running, lambda s: s.options.priority, lambda s: s.arrival,
+                lambda s: s.speculative and bool((id(s) in items and items[id(s)].k)
+                                                 or s.draft_blocks))
+            if drops:
                 if id(victim) in items:
                     items[id(victim)].k = 0
                 self._downgrade(victim)
                 continue
-            victim = self._victims()[0]
-            if len(self.running) == 1:   # alone and still too long for the whole pool
+            if len(self.running) == 1:
                 self._truncate(victim)
             else:
                 self._preempt(victim)
             items.pop(id(victim), None)
-        for it in items.values():
-            self._allocate(it)
-        # 3. Admit waiting sequences while tokens, sequence slots and blocks allow.
+
+    def _admit(self, items: dict[int, ScheduledSeq], budget: int) -> None:
+        """Waiting sequences join the step while tokens, sequence slots and blocks allow, by the
+        shared admission test and downgrade threshold (`engine/kv_rules.py`)."""
+        limits = self.limits
         while self.waiting and len(self.running) < limits.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not self.fits_ever(len(seq.token_ids)):   # preempted after growing past the pool
@@ -237,20 +255,17 @@ class Scheduler:
                 break
             item = ScheduledSeq(seq, n, 0, limits.prefill_align)
             need = self._need(item)[0]
-            growth_reserve = len(self.running)       # one block each for running sequences
-            if need > self.pool.num_free - growth_reserve:
+            if not kv_rules.fits_beside_growth(need, self.pool.num_free, len(self.running), 1):
                 break
             self.waiting.popleft()
-            if seq.speculative:
-                free_after = self.pool.num_free - need
-                if free_after < limits.spec_min_free_fraction * self.pool.num_blocks:
-                    self._downgrade(seq)
+            if seq.speculative and not kv_rules.keeps_speculation(
+                    self.pool.num_free - need, self.pool.num_blocks, limits.spec_min_free_fraction):
+                self._downgrade(seq)
             self._allocate(item)
             seq.status = Status.RUNNING
             self.running.append(seq)
             items[id(seq)] = item
             budget -= n
-        return list(items.values())
 
     def _chunk(self, seq: Sequence, budget: int, at_least_one: bool = False) -> int:
         """Prompt tokens of seq to feed within `budget`: up to the end of its prompt, else up to
@@ -278,7 +293,9 @@ class Scheduler:
         n = self._chunk(seq, budget)
         if n == 0:                       # not one piece fits: the prompt waits this step
             return False
-        return self._need(ScheduledSeq(seq, n, 0))[0] <= self.pool.num_free - 2 * len(self.running)
+        # the admission test on what the decoding sequences leave (at most a block each)
+        return kv_rules.fits_beside_growth(self._need(ScheduledSeq(seq, n, 0))[0],
+                                           self.pool.num_free - len(self.running), len(self.running), 1)
 
     def _allocate(self, item: ScheduledSeq) -> None:
         target, draft = self._need(item)

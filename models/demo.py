@@ -232,8 +232,6 @@ class _State:
 def build_demo_family(out: str | Path, settings: DemoSettings, threads: int | None = None,
                       log=print) -> dict:
     """Run the stages not yet done for these settings; write and return family.json's record."""
-    from transformers import AutoTokenizer
-
     started = time.monotonic()
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -253,43 +251,13 @@ def build_demo_family(out: str | Path, settings: DemoSettings, threads: int | No
     data_threads = threads if device.type == "cpu" else (os.cpu_count() or 1)
     os.environ.setdefault("RAYON_NUM_THREADS", str(data_threads))   # tokenizers' thread pool
     corpus = collect_corpus(preset.corpus)
-    if record := state.done("tokenizer", out / "tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
-    else:
-        tokenizer = train_tokenizer(corpus.train, preset.corpus, data_threads)
-        tokenizer.save_pretrained(out / "tokenizer")
-        state.finish("tokenizer", {"vocab_size": len(tokenizer)})
+    tokenizer = _tokenizer(out, state, corpus, preset, data_threads)
     train_stream = encode_files(tokenizer, corpus.train)             # [num_train_tokens]
     held_stream = encode_files(tokenizer, corpus.held_out)           # [num_held_out_tokens]
     data_s = time.monotonic() - t0
     log(f"corpus: {len(corpus.train)} training files ({len(train_stream):,} tokens), "
         f"{len(corpus.held_out)} held out ({len(held_stream):,} tokens), {data_s:.1f} s")
-
-    models = {}
-    stages = {"target": (0, 1, None), "draft": (1, 2, "target"), "small": (2, 3, None)}
-    for role, (index, seed_offset, teacher) in stages.items():
-        folder = out / role
-        if record := state.done(role, folder):
-            models[role] = _load(folder, device)
-            log(f"{role}: already trained ({record['steps']} steps), loaded")
-            continue
-        plan = _plan(settings, index, seed_offset)
-        if role == "draft":
-            model = draft_from_target(models["target"], list(preset.draft_layers), plan.seed)
-        else:
-            shape = preset.target if role == "target" else preset.small
-            model = build_model(shape, len(tokenizer), plan.seed)
-        record = train(model, train_stream, plan, device, desc=role,
-                       teacher=models[teacher] if teacher else None)
-        model.to(torch.bfloat16).to(torch.float32)      # what is saved is what is evaluated
-        if role == "draft":
-            record["init_layers"] = list(preset.draft_layers)
-            record["loss"] = f"KL(target || draft) + {plan.ce_weight} x CE"
-        _save(model, tokenizer, folder)
-        state.finish(role, record)
-        models[role] = model
-        log(f"{role}: {record['steps']} steps, {record['tokens']:,} tokens in {record['seconds']} s "
-            f"({record['tokens_per_s']} tokens/s), train loss {record['train_loss']}")
+    models = _trained_models(out, state, settings, tokenizer, train_stream, device, log)
 
     t0 = time.monotonic()
     metrics = evaluate(models, held_stream, preset.eval_tokens, preset.seq_len, device)
@@ -318,3 +286,48 @@ def build_demo_family(out: str | Path, settings: DemoSettings, threads: int | No
     }
     (out / "family.json").write_text(json.dumps(family, indent=1))
     return family
+
+
+def _tokenizer(out: Path, state: _State, corpus, preset, threads: int):
+    """The family's tokenizer: trained on the training files, or read back when done."""
+    from transformers import AutoTokenizer
+
+    if state.done("tokenizer", out / "tokenizer"):
+        return AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    tokenizer = train_tokenizer(corpus.train, preset.corpus, threads)
+    tokenizer.save_pretrained(out / "tokenizer")
+    state.finish("tokenizer", {"vocab_size": len(tokenizer)})
+    return tokenizer
+
+
+def _trained_models(out: Path, state: _State, settings: DemoSettings, tokenizer,
+                    train_stream: torch.Tensor, device: torch.device, log) -> dict:
+    """{role: model}: the target, then the draft (cut from the target's layers, distilled from
+    it) and the small model, each trained and saved unless done, else read back."""
+    preset = PRESETS[settings.preset]
+    models = {}
+    stages = {"target": (0, 1, None), "draft": (1, 2, "target"), "small": (2, 3, None)}
+    for role, (index, seed_offset, teacher) in stages.items():
+        folder = out / role
+        if record := state.done(role, folder):
+            models[role] = _load(folder, device)
+            log(f"{role}: already trained ({record['steps']} steps), loaded")
+            continue
+        plan = _plan(settings, index, seed_offset)
+        if role == "draft":
+            model = draft_from_target(models["target"], list(preset.draft_layers), plan.seed)
+        else:
+            shape = preset.target if role == "target" else preset.small
+            model = build_model(shape, len(tokenizer), plan.seed)
+        record = train(model, train_stream, plan, device, desc=role,
+                       teacher=models[teacher] if teacher else None)
+        model.to(torch.bfloat16).to(torch.float32)      # what is saved is what is evaluated
+        if role == "draft":
+            record["init_layers"] = list(preset.draft_layers)
+            record["loss"] = f"KL(target || draft) + {plan.ce_weight} x CE"
+        _save(model, tokenizer, folder)
+        state.finish(role, record)
+        models[role] = model
+        log(f"{role}: {record['steps']} steps, {record['tokens']:,} tokens in {record['seconds']} s "
+            f"({record['tokens_per_s']} tokens/s), train loss {record['train_loss']}")
+    return models

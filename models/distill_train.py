@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,11 +60,9 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     gets (early stopping: a small draft memorises a few hundred prompts' continuations and
     gets worse on new prompts, docs/decisions/0020-aligned-drafts.md). With several served
     temperatures (a list) `data`'s rows are labelled `class@T..` (`models.distill.at_temperature`)
-    and each is scored at its own. `guard_data` (other traffic the draft serves, never trained on) is scored before
-    and after as well, for the swap's guard. Returns the report.
+    and each is scored at its own. `guard_data` (other traffic the draft serves, never trained
+    on) is scored before and after as well, for the swap's guard. Returns the report.
     """
-    from tqdm.auto import tqdm
-
     if not steps and not minutes:
         raise ValueError("give a budget: steps or minutes")
     out = Path(out)
@@ -72,58 +71,142 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     target = load_model(target_path)
     student = load_model(student_path)
     check_compatible(target, student, role)        # vocabulary size and every token's id
-    train_idx, held_idx = split_heldout(data.classes, heldout, seed, data.prompt_groups())
-    held_data = data.subset(held_idx)
-    train_data = data.subset(train_idx)
-    fit, val = split_heldout(train_data.classes, validation, seed + 1, train_data.prompt_groups())
-    if not validation or not fit:
-        fit, val = list(range(len(train_idx))), []
-    val_data, train_data = train_data.subset(val), train_data.subset(fit)
+    split = _Split.of(data, heldout, validation, seed)
     temps = [temperature] if isinstance(temperature, (int, float)) else list(temperature)
     t_loss = loss_temperature(temps)
-
-    cache = out / "teacher.pt"
-    t0 = time.monotonic()
-    if not top_k:                     # the teacher runs beside the student, every step
-        values = ids = None
-        mass = 1.0
-    elif cache.exists():
-        values, ids, mass = torch.load(cache).values()
-    else:
-        values, ids, mass = teacher_topk(target.model, train_data, t_loss, min(top_k, target.vocab_size))
-        torch.save({"values": values, "ids": ids, "mass": mass}, cache)
-    teacher_s = time.monotonic() - t0
-    log(f"teacher top-{top_k or 'all'}: {mass:.3f} of the probability mass, {teacher_s:.0f} s")
-
-    before_file = out / "before.json"
-    if before_file.exists():
-        before = json.loads(before_file.read_text())
-    else:
-        before = served_acceptance(target.model, student.model, held_data, temps)
-        before_file.write_text(json.dumps(before))
+    teacher = _Teacher.of(out / "teacher.pt", target, split.train, t_loss, top_k)
+    log(f"teacher top-{top_k or 'all'}: {teacher.mass:.3f} of the probability mass, {teacher.seconds:.0f} s")
+    before, _ = _measured_once(out / "before.json",
+                               lambda: served_acceptance(target.model, student.model, split.held, temps))
     log("held-out before: " + _fmt(before))
-    guard_file = out / "guard_before.json"
-    if guard_data is not None and guard_file.exists():
-        guard_before = json.loads(guard_file.read_text())
-    elif guard_data is not None:
-        guard_before = served_acceptance(target.model, student.model, guard_data, temps)
-        guard_file.write_text(json.dumps(guard_before))
-        log("guard set before: " + _fmt(guard_before))
+    guard_before = None
+    if guard_data is not None:
+        guard_before, fresh = _measured_once(
+            out / "guard_before.json", lambda: served_acceptance(target.model, student.model, guard_data, temps))
+        if fresh:
+            log("guard set before: " + _fmt(guard_before))
 
     config = ds_config or default_ds_config()
     model = student.model.float().train()
-    best = _Best(out / "best.pt", target.model, val_data, temps)
+    best = _Best(out / "best.pt", target.model, split.val, temps)
     if best.step is None:            # the student as given (before DeepSpeed casts it): kept if
         best.offer(0, model)         # no training step beats it
     engine, optimizer, _ = init_deepspeed(model, config)
+    budget = _Budget(steps, minutes * 60 if minutes else None, checkpoint_every_s, eval_every_s)
+    trained_s, recent = _train(engine, ckpt, target.model, split.train, teacher, t_loss, best, budget,
+                               seed, role, log)
+    best.offer(engine.global_steps, engine.module)
+    kept = load_model(student_path).model.float()
+    kept.load_state_dict(best.state() or engine.module.state_dict())
+    log(f"kept the weights of step {best.step} (validation acceptance {best.score:.4f})")
+    save_hf(kept, Path(target_path), out)
+    reloaded = load_model(out).model
+    after = served_acceptance(target.model, reloaded, split.held, temps)
+    log("held-out after:  " + _fmt(after))
+    guard = None
+    if guard_data is not None:
+        guard_after = served_acceptance(target.model, reloaded, guard_data, temps)
+        log("guard set after:  " + _fmt(guard_after))
+        guard = {"before": guard_before, "after": guard_after, "delta": _delta(guard_before, guard_after)}
+    report = {"role": role, "target": str(target.path), "student": str(student.path),
+              "temperature": temps[0] if len(temps) == 1 else temps, "loss_temperature": t_loss,
+              "trainer": "deepspeed", "deepspeed": _deepspeed_record(engine, optimizer, config),
+              "data": {"train_rows": len(split.train_idx), "heldout_rows": len(split.held_idx),
+                       "train_tokens": int(split.train.loss_mask().sum()),
+                       "classes": sorted(set(data.classes)), "teacher_top_k": top_k,
+                       "teacher_mass": round(teacher.mass, 4), "teacher_s": round(teacher.seconds, 1)},
+              "train": {"seconds": round(trained_s, 1), "final_kl": round(sum(recent) / max(1, len(recent)), 4)
+                        if recent else None,
+                        "kept_step": best.step, "validation_rows": len(split.val_idx),
+                        "validation": best.history},
+              "heldout": {"before": before, "after": after, "delta": _delta(before, after)},
+              "guard": guard}
+    write_report(out, report)
+    return report
+
+
+@dataclass
+class _Split:
+    """The rows of a run: held out (never trained on), validation (scored while training, for
+    early stopping) and the rest, trained on."""
+
+    train: DistillData
+    held: DistillData
+    val: DistillData
+    train_idx: list[int]      # rows of the data not held out (validation included)
+    held_idx: list[int]
+    val_idx: list[int]        # rows of train_idx that validate
+
+    @classmethod
+    def of(cls, data: DistillData, heldout: float, validation: float, seed: int) -> "_Split":
+        train_idx, held_idx = split_heldout(data.classes, heldout, seed, data.prompt_groups())
+        held_data = data.subset(held_idx)
+        train_data = data.subset(train_idx)
+        fit, val = split_heldout(train_data.classes, validation, seed + 1, train_data.prompt_groups())
+        if not validation or not fit:
+            fit, val = list(range(len(train_idx))), []
+        return cls(train_data.subset(fit), held_data, train_data.subset(val), train_idx, held_idx, val)
+
+
+@dataclass
+class _Teacher:
+    """The target's top-k log-probabilities over the training rows (None with top_k 0: the
+    teacher then runs beside the student, every step), their share of the probability mass and
+    the seconds they took; cached in `cache` for a resumed run."""
+
+    values: torch.Tensor | None
+    ids: torch.Tensor | None
+    mass: float
+    seconds: float
+
+    @classmethod
+    def of(cls, cache: Path, target, train: DistillData, t_loss: float, top_k: int) -> "_Teacher":
+        t0 = time.monotonic()
+        if not top_k:
+            values = ids = None
+            mass = 1.0
+        elif cache.exists():
+            values, ids, mass = torch.load(cache).values()
+        else:
+            values, ids, mass = teacher_topk(target.model, train, t_loss, min(top_k, target.vocab_size))
+            torch.save({"values": values, "ids": ids, "mass": mass}, cache)
+        return cls(values, ids, mass, time.monotonic() - t0)
+
+
+@dataclass
+class _Budget:
+    """How long a run trains, and how often it checkpoints and scores the student."""
+
+    steps: int | None             # DeepSpeed optimizer steps in all, or None
+    seconds: float | None         # training time in all, or None
+    checkpoint_every_s: float
+    eval_every_s: float
+
+
+def _measured_once(path: Path, measure) -> tuple[dict, bool]:
+    """(measure()'s result, True), written to `path`; or what `path` holds (a resumed run), False."""
+    if path.exists():
+        return json.loads(path.read_text()), False
+    result = measure()
+    path.write_text(json.dumps(result))
+    return result, True
+
+
+def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, t_loss: float,
+           best: "_Best", budget: _Budget, seed: int, role: str, log) -> tuple[float, list[float]]:
+    """DeepSpeed steps from the last checkpoint in `ckpt` until the budget is spent, offering the
+    student to `best` every eval_every_s and checkpointing every checkpoint_every_s and at the
+    end: (seconds trained, previous attempts included; the last steps' KL)."""
+    from tqdm.auto import tqdm
+
     elapsed = 0.0
     if any(ckpt.glob("step*")):
         path, state = engine.load_checkpoint(str(ckpt))
         elapsed = float((state or {}).get("elapsed_s", 0.0))
         log(f"resumed {path} at step {engine.global_steps} ({elapsed:.0f} s trained)")
+    steps, budget_s = budget.steps, budget.seconds
     size = engine.train_micro_batch_size_per_gpu()
     seed_r = seed + 7919 * engine.global_rank
-    budget_s = minutes * 60 if minutes else None
     bar = (tqdm(total=steps, initial=engine.global_steps, unit="step", desc=f"distil {role}")
            if steps else tqdm(total=round(budget_s), initial=round(elapsed), unit="s", desc=f"distil {role}"))
     start, last_ckpt, recent = time.monotonic() - elapsed, time.monotonic(), []
@@ -133,67 +216,51 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
         done = time.monotonic() - start
         if (steps and engine.global_steps >= steps) or (budget_s and done >= budget_s):
             break
-        if time.monotonic() - last_eval >= eval_every_s:
+        if time.monotonic() - last_eval >= budget.eval_every_s:
             best.offer(engine.global_steps, engine.module)
             last_eval = time.monotonic()
-        inputs, labels, mask, v, i = _batch(train_data, values, ids, size, seed_r, engine.global_steps)
-        if values is None:
-            with torch.no_grad():
-                v = torch.log_softmax(target.model(input_ids=inputs).logits.float() / t_loss, -1)
-        logits = engine(input_ids=inputs).logits
-        loss, kl = distill_loss(logits, v, i, labels, mask, t_loss)
-        engine.backward(loss.to(dtype) if dtype else loss)
-        before_step = engine.global_steps
-        engine.step()
-        if engine.global_steps == before_step and not engine.skipped_steps:
-            raise RuntimeError("DeepSpeed's engine did not advance its step count")
-        recent = (recent + [kl])[-20:]
+        batch = _batch(train, teacher.values, teacher.ids, size, seed_r, engine.global_steps)
+        recent = (recent + [_step(engine, target, batch, t_loss, dtype)])[-20:]
         bar.set_postfix(step=engine.global_steps, kl=f"{sum(recent) / len(recent):.3f}",
                         best=f"{best.score:.3f}@{best.step}", refresh=False)
         bar.update(1) if steps else bar.update(round(time.monotonic() - start) - bar.n)
-        if time.monotonic() - last_ckpt >= checkpoint_every_s:
-            engine.save_checkpoint(str(ckpt), tag=f"step{engine.global_steps}",
-                                   client_state={"elapsed_s": time.monotonic() - start})
-            _prune(ckpt)
+        if time.monotonic() - last_ckpt >= budget.checkpoint_every_s:
+            _checkpoint(engine, ckpt, time.monotonic() - start)
             last_ckpt = time.monotonic()
     bar.close()
     trained_s = time.monotonic() - start
+    _checkpoint(engine, ckpt, trained_s)
+    return trained_s, recent
+
+
+def _step(engine, target, batch, t_loss: float, dtype) -> float:
+    """One DeepSpeed optimizer step on `batch` (`_batch`); its KL to the teacher."""
+    inputs, labels, mask, v, i = batch
+    if v is None:
+        with torch.no_grad():
+            v = torch.log_softmax(target(input_ids=inputs).logits.float() / t_loss, -1)
+    logits = engine(input_ids=inputs).logits
+    loss, kl = distill_loss(logits, v, i, labels, mask, t_loss)
+    engine.backward(loss.to(dtype) if dtype else loss)
+    before_step = engine.global_steps
+    engine.step()
+    if engine.global_steps == before_step and not engine.skipped_steps:
+        raise RuntimeError("DeepSpeed's engine did not advance its step count")
+    return kl
+
+
+def _checkpoint(engine, ckpt: Path, elapsed_s: float) -> None:
+    """A DeepSpeed checkpoint of this step, the oldest beyond KEEP_CHECKPOINTS removed."""
     engine.save_checkpoint(str(ckpt), tag=f"step{engine.global_steps}",
-                           client_state={"elapsed_s": trained_s})
+                           client_state={"elapsed_s": elapsed_s})
     _prune(ckpt)
-    best.offer(engine.global_steps, engine.module)
-    kept = load_model(student_path).model.float()
-    kept.load_state_dict(best.state() or engine.module.state_dict())
-    log(f"kept the weights of step {best.step} (validation acceptance {best.score:.4f})")
-    save_hf(kept, Path(target_path), out)
-    reloaded = load_model(out).model
-    after = served_acceptance(target.model, reloaded, held_data, temps)
-    log("held-out after:  " + _fmt(after))
-    guard = None
-    if guard_data is not None:
-        guard_after = served_acceptance(target.model, reloaded, guard_data, temps)
-        log("guard set after:  " + _fmt(guard_after))
-        guard = {"before": guard_before, "after": guard_after, "delta": _delta(guard_before, guard_after)}
-    report = {"role": role, "target": str(target.path), "student": str(student.path),
-              "temperature": temps[0] if len(temps) == 1 else temps, "loss_temperature": t_loss,
-              "trainer": "deepspeed",
-              "deepspeed": {"global_steps": engine.global_steps,
-                            "optimizer": type(optimizer).__name__,
-                            "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
-                            "zero_stage": engine.zero_optimization_stage(),
-                            "bf16": engine.bfloat16_enabled(), "config": config},
-              "data": {"train_rows": len(train_idx), "heldout_rows": len(held_idx),
-                       "train_tokens": int(train_data.loss_mask().sum()),
-                       "classes": sorted(set(data.classes)), "teacher_top_k": top_k,
-                       "teacher_mass": round(mass, 4), "teacher_s": round(teacher_s, 1)},
-              "train": {"seconds": round(trained_s, 1), "final_kl": round(sum(recent) / max(1, len(recent)), 4)
-                        if recent else None,
-                        "kept_step": best.step, "validation_rows": len(val),
-                        "validation": best.history},
-              "heldout": {"before": before, "after": after, "delta": _delta(before, after)},
-              "guard": guard}
-    write_report(out, report)
-    return report
+
+
+def _deepspeed_record(engine, optimizer, config: dict) -> dict:
+    return {"global_steps": engine.global_steps, "optimizer": type(optimizer).__name__,
+            "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+            "zero_stage": engine.zero_optimization_stage(),
+            "bf16": engine.bfloat16_enabled(), "config": config}
 
 
 class _Best:

@@ -34,7 +34,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from engine.cost_model import engine_choose_k, expected_tokens, step_s
+from engine.k_rule import engine_choose_k, expected_tokens
+from engine.step_cost import step_s
 from router.stats import ClusterStats, TierStats
 
 PLANS = ("premium", "standard", "economy", "auto")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.cost_model import StepCostModel
+from engine.step_cost import StepCostModel
 
 PROMPT_CLASSES = ("code", "chat", "qa", "creative")
 

@@ -3,7 +3,7 @@ and the "believed" model an engine would price drafting with (the truth, or off 
 
 The simulator times every step with the true model; the simulated engine picks k and reports
 `EngineStats.cost` from its believed model (calibrated online as `LLMEngine` does), and the
-router's policy sees only that. `FittedStepCost` is a `engine.cost_model.StepCostModel`:
+router's policy sees only that. `FittedStepCost` is a `engine.step_cost.StepCostModel`:
 
   target_s = fixed + per_seq * seqs + per_token * query tokens + per_ctx * context tokens
   draft_s  = max(draft floor, the same four terms for the draft)
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.cost_model import LinearCost
+from engine.step_cost import LinearCost
 
 
 @dataclass(frozen=True)

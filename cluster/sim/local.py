@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.sim.served import ByBatch, bench_acceptance, bench_learnt, bench_path, window_level
-from engine.cost_model import step_cost_from_dict
+from engine.calibration import step_cost_from_dict
 
 
 def add_arguments(parser) -> None:
@@ -163,15 +163,7 @@ def run_local(args) -> int:
     from cluster.sim.simulator import simulate
 
     try:
-        bench = json.loads(args.bench.read_text()) if args.bench else {}
-        if not isinstance(bench, dict) or not isinstance(bench.get("results", []), list):
-            raise ValueError("not a `specserve bench serve` JSON")
-        profiles = bench.get("served_profiles") or {}
-        try:
-            for profile in (profiles.values() if isinstance(profiles, dict) else [None]):
-                step_cost_from_dict(profile)
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"its served_profiles are not step-cost profiles ({exc!r})") from exc
+        bench = _read_bench(args.bench)
     except (OSError, ValueError) as exc:
         print(f"specserve simulate: cannot read --bench {args.bench}: {exc}", file=sys.stderr)
         return 2
@@ -219,20 +211,7 @@ def run_local(args) -> int:
             times = 1 if closed else -(-SIM_REQUESTS // w.requests)
             r = pooled_row([simulate(truth, small, sim_policy, w, mix, load, args.seed * 1000 + i,
                                      max_context=512) for i in range(times)])
-            m = measured.get((policy, kind, load))
-            rows.append({"policy": policy, "load_kind": kind, "load": load,
-                         "predicted_tok_s": r["throughput_tok_s"], "predicted_p95_s": r["p95_latency_s"],
-                         "measured_tok_s": m["output_tok_s"] if m else None,
-                         "measured_p95_s": m["e2e_s"]["p95"] if m else None,
-                         # the parts, to see where a latency differs
-                         "predicted": {"e2e_p50_s": r["p50_latency_s"], "ttft_p50_s": r["p50_ttft_s"],
-                                       "tpot_p50_s": r["p50_per_token_s"], "tpot_p95_s": r["p95_per_token_s"],
-                                       "acceptance_rate": r["acceptance_rate"]},
-                         "measured": {"e2e_p50_s": m["e2e_s"].get("p50"),
-                                      "ttft_p50_s": m.get("ttft_s", {}).get("p50"),
-                                      "tpot_p50_s": m.get("tpot_s", {}).get("p50"),
-                                      "tpot_p95_s": m.get("tpot_s", {}).get("p95"),
-                                      "acceptance_rate": m.get("acceptance_rate")} if m else None})
+            rows.append(_compared(policy, kind, load, r, measured.get((policy, kind, load))))
     print(table(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -240,6 +219,38 @@ def run_local(args) -> int:
                                          "overhead_ms": args.overhead_ms, "learnt": learnt,
                                          "bench": str(args.bench) if args.bench else None}, indent=1))
     return 0
+
+
+def _read_bench(path: Path | None) -> dict:
+    """The `bench serve` JSON to mirror ({} without one); ValueError where it is not one."""
+    bench = json.loads(path.read_text()) if path else {}
+    if not isinstance(bench, dict) or not isinstance(bench.get("results", []), list):
+        raise ValueError("not a `specserve bench serve` JSON")
+    profiles = bench.get("served_profiles") or {}
+    try:
+        for profile in (profiles.values() if isinstance(profiles, dict) else [None]):
+            step_cost_from_dict(profile)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"its served_profiles are not step-cost profiles ({exc!r})") from exc
+    return bench
+
+
+def _compared(policy: str, kind: str, load: float, r: dict, m: dict | None) -> dict:
+    """One row: the simulated load's `r` (`RunResult.row`) beside the bench's measured window
+    `m` (None where the bench did not run that load)."""
+    return {"policy": policy, "load_kind": kind, "load": load,
+            "predicted_tok_s": r["throughput_tok_s"], "predicted_p95_s": r["p95_latency_s"],
+            "measured_tok_s": m["output_tok_s"] if m else None,
+            "measured_p95_s": m["e2e_s"]["p95"] if m else None,
+            # the parts, to see where a latency differs
+            "predicted": {"e2e_p50_s": r["p50_latency_s"], "ttft_p50_s": r["p50_ttft_s"],
+                          "tpot_p50_s": r["p50_per_token_s"], "tpot_p95_s": r["p95_per_token_s"],
+                          "acceptance_rate": r["acceptance_rate"]},
+            "measured": {"e2e_p50_s": m["e2e_s"].get("p50"),
+                         "ttft_p50_s": m.get("ttft_s", {}).get("p50"),
+                         "tpot_p50_s": m.get("tpot_s", {}).get("p50"),
+                         "tpot_p95_s": m.get("tpot_s", {}).get("p95"),
+                         "acceptance_rate": m.get("acceptance_rate")} if m else None}
 
 
 def pooled_row(results: list) -> dict:

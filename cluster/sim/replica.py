@@ -1,16 +1,18 @@
 """The simulator's replica: paged KV over its GPUs, a FIFO queue and a continuous batch.
 
-Memory is paged as the engine's scheduler pages it (`engine/scheduler.py`): a running sequence
-holds KV blocks for the tokens it has computed plus what the next step writes (its chunk, or
-1 + k); a request is admitted when its prompt fits beside one growth block per running
-sequence; when a step's blocks do not fit, speculating sequences drop to baseline first
-(draft KV freed; newest first) and then the newest sequences are preempted (all KV freed,
-prefilled again later with the tokens they had). A request whose prompt + max_tokens cannot
-fit the empty replica is refused, and so is one that arrives while `max_waiting` requests wait
-(the engine's queue bound: `LLMEngine.add_request` refuses with 429 beyond it).
+Memory is paged as the engine's scheduler pages it (`engine/scheduler.py`), by the same rules
+(`engine/kv_rules.py`) applied to bytes on each GPU: a running sequence holds KV blocks for the
+tokens it has computed plus what the next step writes (its chunk, or 1 + k); a request is
+admitted when its prompt fits beside one growth block per running sequence, and a speculative
+one as baseline when it would leave too little headroom; when a step's blocks do not fit,
+speculating sequences drop to baseline first (draft KV freed) and then sequences are preempted
+(all KV freed, prefilled again later with the tokens they had), in the engine's victim order.
+A request whose prompt + max_tokens cannot fit the empty replica is refused, and so is one
+that arrives while `max_waiting` requests wait (the engine's queue bound:
+`LLMEngine.add_request` refuses with 429 beyond it).
 A step is up to k draft rounds then one target verify. Two cost models: `ReplicaConfig.cost`
 is the truth and times every step; the engine's belief (`believed`, default the truth) is a
-`CalibratedCost` that picks k by the engine's own rule (`engine.cost_model.engine_choose_k`, with
+`CalibratedCost` that picks k by the engine's own rule (`engine.k_rule.engine_choose_k`, with
 the draft's catch-up priced as the engine prices it: a draft reads its prompt in the sequence's
 first drafting step, and what it skipped in its next one), calibrates on each decode step as
 `LLMEngine` does, and is what `engine_stats` reports to the router. Each draft token at output
@@ -27,17 +29,19 @@ from dataclasses import dataclass, field
 
 from cluster.sim.fitted import FITTED
 from cluster.sim.scenarios import Deployment, RequestSpec
+from engine import kv_rules
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
+from engine.calibration import CATCH_UP_MAX, CalibratedCost
 from engine.config import EngineConfig
-from engine.cost_model import (CATCH_UP_MAX, CalibratedCost, DraftProbe, StepCostModel,
-                               catch_up_prices, engine_choose_k, step_parts)
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
+from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
 from engine.outputs import EngineStats
+from engine.sampling_params import RequestOptions
+from engine.step_cost import StepCostModel, step_parts
 
 PRIOR_ACCEPTANCE = EngineConfig.prior_acceptance  # what an engine assumes before it measures
 BLOCK_TOKENS = EngineConfig.block_size
-SPEC_MIN_FREE = 0.10  # engine/scheduler.py SchedulerLimits.spec_min_free_fraction
 DRAFTING = ("speculative", "always-adaptive", "auto")  # policies whose target replica has a draft
 
 
@@ -101,7 +105,7 @@ def build_replicas(dep: Deployment, placement: str, policy: str, fixed_k: int
 
 def _blocks(tokens: int) -> int:
     """Tokens rounded up to whole KV blocks."""
-    return -(-tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+    return kv_rules.blocks_needed(tokens, BLOCK_TOKENS) * BLOCK_TOKENS
 
 
 @dataclass(eq=False)
@@ -128,6 +132,7 @@ class Seq:
     tier: str = ""
     reason: str = ""
     measured: bool = False
+    priority: int = RequestOptions.priority  # the simulated requests all take its default
     _us: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -214,15 +219,17 @@ class Replica:
         if refused:
             self.waiting = deque(s for s in self.waiting if s not in refused)
         budget = [m - f for m, f in zip(self.cfg.gpu_bytes, self.cfg.fixed_bytes)]
+        growth = self._bytes(BLOCK_TOKENS, False)   # [num_gpus] one block of a running sequence
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             tokens = _blocks(seq.prefill_left + 1)
-            reserve = self._bytes(BLOCK_TOKENS * len(self.running), False)
             free = self._free_bytes()
-            if seq.speculative and self.cfg.engine_downgrade and any(
-                    fr - n < SPEC_MIN_FREE * b for fr, n, b in zip(free, self._bytes(tokens, True), budget)):
+            if seq.speculative and self.cfg.engine_downgrade and not all(
+                    kv_rules.keeps_speculation(fr - n, b)
+                    for fr, n, b in zip(free, self._bytes(tokens, True), budget)):
                 seq.speculative, seq.k_cap, seq.tier = False, 0, "baseline"  # admitted as baseline
-            if any(n > fr - r for n, fr, r in zip(self._bytes(tokens, seq.speculative), free, reserve)):
+            if not all(kv_rules.fits_beside_growth(n, fr, len(self.running), g)
+                       for n, fr, g in zip(self._bytes(tokens, seq.speculative), free, growth)):
                 break
             self.waiting.popleft()
             self._hold(seq, tokens, seq.speculative)
@@ -235,7 +242,8 @@ class Replica:
     # -- steps --------------------------------------------------------------------------------
     def plan_step(self) -> tuple[float, list[tuple[Seq, int]], list[tuple[Seq, int]]] | None:
         """(true seconds, [(decode seq, k)], [(prefill seq, chunk tokens)]) of the next step,
-        after making its KV fit (dropping speculation, then preempting, newest first)."""
+        after making its KV fit (dropping speculation, then preempting: `kv_rules.next_victim`;
+        the naive fixed-k engine only preempts)."""
         while True:
             decode, ks, chunks = self._plan()
             need = [(s, _blocks(s.computed + 1 + k)) for s, k in zip(decode, ks)]
@@ -245,14 +253,17 @@ class Replica:
             for s, t in need:
                 if t > s.held:
                     extra = [e + b for e, b in zip(extra, self._bytes(t - s.held, s.speculative))]
-            if all(e <= fr for e, fr in zip(extra, free)) or len(self.running) <= 1:
+            if all(e <= fr for e, fr in zip(extra, free)):
                 break
-            victims = sorted(self.running, key=lambda s: -s.arrival_s)
-            spec = [s for s in victims if s.speculative] if self.cfg.engine_downgrade else []
-            if spec:
-                self._downgrade(spec[0])
-            else:
-                self._preempt(victims[0])
+            victim, drops = kv_rules.next_victim(
+                self.running, lambda s: s.priority, lambda s: s.arrival_s,
+                lambda s: self.cfg.engine_downgrade and s.speculative)
+            if drops:
+                self._downgrade(victim)
+            elif len(self.running) > 1:
+                self._preempt(victim)
+            else:   # alone: never short, as arrivals that cannot fit the empty replica are refused
+                break
         for s, t in need:
             if t > s.held:
                 self._hold(s, t, s.speculative)

@@ -4,9 +4,9 @@ Owns the sweep, the JSON/markdown/plot outputs, the done-when check (auto agains
 baseline, speculative at fixed k and always-adaptive at every load) and the article comparison.
 Scenario options from the command line: `--mismatch M` (the engines believe speculation costs
 (1 + M) x what it does; see cluster/sim/fitted.py) and `--arrivals poisson|bursty` (open loop
-at the scenario's `open_loads`). The physics lives in
-engine/cost_model.py, the decisions in router/policy.py, the event loop in cluster/sim/simulator.py,
-the setups in cluster/sim/scenarios.py.
+at the scenario's `open_loads`). The physics lives in engine/step_cost.py and engine/hardware.py,
+the k rule in engine/k_rule.py, the decisions in router/policy.py, the event loop in
+cluster/sim/simulator.py, the setups in cluster/sim/scenarios.py.
 
 JSON: {"scenario", "settings", "results": [one row per section, load and policy], "single_user",
 "checks", "article"}. Each row carries `draft_placement` and `acceptance_mix` (its section).
@@ -26,7 +26,7 @@ from cluster.sim.article import compare_article
 from cluster.sim.scenarios import SCENARIOS, Scenario, mix_named
 from cluster.sim.replica import build_replicas
 from cluster.sim.simulator import POLICIES, simulate
-from engine.cost_model import expected_tokens
+from engine.k_rule import expected_tokens
 
 THROUGHPUT_FLOOR, P95_CEILING = 0.98, 1.02  # auto vs the best fixed policy
 FIXED = ("baseline", "speculative", "always-adaptive")  # what auto must match at every load

@@ -10,7 +10,8 @@ from cluster.sim.fitted import FITTED
 from cluster.sim.replica import ReplicaConfig
 from cluster.sim.scenarios import Workload, fixed_mix, make_request
 from cluster.sim.simulator import simulate
-from engine.cost_model import LinearCost, LinearStepCost, choose_k
+from engine.k_rule import choose_k
+from engine.step_cost import LinearCost, LinearStepCost
 
 LINEAR = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))  # c = 0.15
 LONG = Workload(prompt_median=16, prompt_sigma=0.0, output_median=600, output_sigma=0.0,
@@ -159,7 +160,7 @@ def test_the_simulated_engine_chooses_k_for_goodput_as_the_engine_does():
     in the batch vetoed draft rounds that four well-accepting ones would have gained from."""
     from cluster.sim.replica import Replica, Seq
     from cluster.sim.scenarios import RequestSpec
-    from engine.cost_model import choose_k
+    from engine.k_rule import choose_k
 
     r = Replica(replica(LINEAR))
     decode = []
@@ -194,7 +195,7 @@ def test_the_simulated_engine_keeps_the_engines_min_gain_and_never_splits_a_batc
     decoding (MIN_GAIN_ALONE for a sequence alone), and a batch never split into drafting and
     not (the ones left out finish later and alone), not goodput without either."""
     from cluster.sim.replica import Replica
-    from engine.cost_model import choose_k
+    from engine.k_rule import choose_k
 
     r = Replica(replica(LINEAR))   # c = 0.15, no cost a token: k = 1 gains (1 + a) / 1.15
     # two sequences at a = 0.19 (gain 1.035) draft under pure goodput, not under MIN_GAIN;
@@ -271,7 +272,7 @@ def test_the_simulated_engine_prices_the_draft_from_its_timed_rounds_as_the_engi
     time: a draft dearer than believed is learnt as the draft's price. (A joint fit on the
     step's total confuses the two where the truth's draft price moves with the batch:
     docs/decisions/0010-cost-calibration.md.)"""
-    from engine.cost_model import CalibratedCost
+    from engine.calibration import CalibratedCost
 
     seen = []
     calibrate = CalibratedCost.calibrate

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.sim.local import add_arguments, run_local, serving_cost
 from cluster.sim.served import bench_acceptance, bench_learnt, bench_path, window_level
-from engine.cost_model import LinearCost, LinearStepCost
+from engine.step_cost import LinearCost, LinearStepCost
 
 
 def _run(policy, acceptance=None, per_seq_ms=None, spec_scale=None, running=None, draft_bytes=None):

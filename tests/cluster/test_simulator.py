@@ -11,7 +11,7 @@ from cluster.sim import simulate as cli
 from cluster.sim.scenarios import MIXES, SCENARIOS, Deployment, Workload, fixed_mix, make_request
 from cluster.sim.replica import ReplicaConfig, build_replicas
 from cluster.sim.simulator import simulate
-from engine.cost_model import LinearCost, LinearStepCost
+from engine.step_cost import LinearCost, LinearStepCost
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 
 LINEAR = LinearStepCost(LinearCost(20e-3, 0.0, 0.0), LinearCost(3e-3, 0.0, 0.0))  # c = 0.15

@@ -66,7 +66,8 @@ def test_the_engine_stops_drafting_where_a_hidden_cost_makes_it_lose(make_engine
     With the sleep gone, the recheck finds drafting pays again and lets it draft.
     Breakage that turns it red: `_choose_k` not consulting the check (drafting never stops),
     or the check judging the model's prediction rather than the measured steps."""
-    from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost
+    from engine.calibration import CalibratedCost
+    from engine.step_cost import LinearCost, LinearStepCost
 
     engine = make_engine(draft=tiny_family["target"], fault_injection=True, profile=False)
     # a profile in which the draft is cheap next to the target (as the delayed target makes it)

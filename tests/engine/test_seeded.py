@@ -76,7 +76,8 @@ def test_batched_with_others_equals_plain(make_engine, plain, adaptive, tmp_path
     # machine the adaptive rule may find drafting never pays for these tiny models (a
     # clean-clone CI run saw 0 draft tokens), and this test is about seeded outputs while
     # drafting happens.
-    from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost
+    from engine.calibration import CalibratedCost
+    from engine.step_cost import LinearCost, LinearStepCost
 
     engine = make_engine(adaptive_k=adaptive, profile=False, max_num_batched_tokens=64,
                          prior_acceptance=0.95)

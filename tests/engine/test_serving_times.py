@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost
+from engine.calibration import CalibratedCost
 from engine.sampling_params import Mode, RequestOptions, SamplingParams
+from engine.step_cost import LinearCost, LinearStepCost
 
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33]
 

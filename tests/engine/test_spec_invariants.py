@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 
 from conftest import run_all
 from engine.config import EngineConfig
-from engine.kv_cache import blocks_needed
+from engine.kv_rules import blocks_needed
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import RequestOptions, SamplingParams
 

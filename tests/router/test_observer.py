@@ -11,8 +11,9 @@ import pytest
 from cluster.sim import simulator
 from cluster.sim.replica import build_replicas
 from cluster.sim.scenarios import MIXES, SCENARIOS
-from engine.cost_model import CalibratedCost, LinearCost, LinearStepCost
+from engine.calibration import CalibratedCost
 from engine.outputs import EngineStats
+from engine.step_cost import LinearCost, LinearStepCost
 from router import live_stats
 from router.observer import Observer, RequestOutcome
 from router.policy import PolicyConfig, PolicyState, TierRequest, choose_tier

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.cost_model import LinearCost, LinearStepCost
+from engine.step_cost import LinearCost, LinearStepCost
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from router.policy import (PLANS, REASONS, Decision, PolicyConfig, PolicyState, TierRequest, choose_tier,
                            classify_prompt, speculation_gain)
@@ -107,7 +107,7 @@ def test_a_draft_price_learnt_under_load_does_not_lock_auto_out():
     request looks unpaying, every auto request goes to baseline as `acceptance_low`, nothing
     drafts, and the price is never measured again (docs/decisions/0017-tier-policy.md). A
     draft whose acceptance does not pay on the profile still goes to baseline."""
-    from engine.cost_model import CalibratedCost
+    from engine.calibration import CalibratedCost
 
     base = LinearStepCost(LinearCost(4e-3, 1e-5, 1e-7), LinearCost(1e-3, 1e-6, 1e-8))
     dear = CalibratedCost(base, 1e-4, spec_scale=4.0)
@@ -200,7 +200,7 @@ def test_the_gain_is_predicted_with_the_engines_own_k():
     the 1/(B+1) quantile of the samples) vetoed every draft token from batch 16 on, so auto sent
     requests to baseline (`batch_large`) where the engine, speculating, drafts 1-2 tokens a
     sequence and gains 11-19% (seed-4xa100, draft sharded: 6-9% lost at 32-40 users)."""
-    from engine.cost_model import choose_k, engine_choose_k
+    from engine.k_rule import choose_k, engine_choose_k
 
     samples = tuple(i / 100 for i in range(5, 95))
     for b in (16, 32):
