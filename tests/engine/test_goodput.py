@@ -101,4 +101,4 @@ def test_the_engine_stops_drafting_where_a_hidden_cost_makes_it_lose(make_engine
     engine.set_delay("drafted_step", 0.0)
     drafted = run(160)
     assert engine.goodput.verdict(engine.global_acceptance) is True
-    assert all(drafted[-8:])
+    assert drafted[-8:].count(True) >= 4           # drafting but for a recheck's capped window
