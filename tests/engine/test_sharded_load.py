@@ -12,7 +12,6 @@ transformers' `from_pretrained` does) would grow by the whole model.
 
 import pytest
 
-from conftest import hf_greedy  # noqa: F401  (tests' shared helpers on the path)
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import RequestOptions, SamplingParams
