@@ -79,6 +79,20 @@ def leave_group() -> None:
             pass
 
 
+def _import_architecture(path: str) -> None:
+    """Import transformers' modules for the checkpoint's architecture (loading reads its config
+    and builds its skeleton on the meta device), so that what loading then costs is the shard's."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    kind = AutoConfig.from_pretrained(path).model_type
+    try:
+        importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    except ImportError:
+        pass
+
+
 def rank_options(config) -> dict:
     """What a rank > 0 is built from (`TPWorker(rank, world, init_method, **rank_options)`), for
     every launcher of ranks (`LocalPeers`, deployments/tp_group.py), from rank 0's EngineConfig:
@@ -97,6 +111,7 @@ class TPWorker:
         torch.set_num_threads(num_threads)
         all_reduce = init_tp(rank, world, init_method, device)
         self.rank = rank
+        _import_architecture(target)         # a fixed cost of the process, not of the shard
         before = resident_bytes(reset_peak=True)
         self.forward = load_served(target, dtype, device, rank, world, all_reduce,
                                    tokenizer=False).forward
