@@ -5,8 +5,8 @@ be wrong where it matters: a draft slower than its profile, traffic whose accept
 from what the profile saw, costs the profile never timed. `GoodputCheck` measures instead: on
 the live batch it alternates windows of `window_steps` steps with drafting capped (k = 0 for
 every sequence) and uncapped (the k rule's choice), and compares the tokens a second each
-delivered (wall time from a step's start to the next's, so every cost of a drafting step
-counts). Drafting stays on only where the uncapped windows delivered at least `1 + margin`
+delivered (each step's whole wall time, so every cost of a drafting step counts, those the
+cost model's timed parts leave out too). Drafting stays on only where the uncapped windows delivered at least `1 + margin`
 times the capped ones, over the last `pairs` pairs of adjacent windows (adjacent windows see
 nearly the same batch). Plain decoding wins every tie: the promise is never to be slower.
 

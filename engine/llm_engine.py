@@ -371,6 +371,7 @@ class LLMEngine:
         new = load_served(path, self.config.dtype, self.config.device)
         check_compatible(self.target_model, new)
         forward = new.forward
+        forward.build_kernels()       # here, not in the swap: the swap holds the step lock
         old = self.draft_fw.shape if self.draft_fw else None
         s = forward.shape
         if old is None or (s.num_layers, s.num_kv_heads, s.head_dim) != (old.num_layers, old.num_kv_heads, old.head_dim):

@@ -146,11 +146,12 @@ def measure_gpu(engine) -> MemoryPlan:
         draft = ModelRunner(engine.draft_fw, pool.layers(pool.draft), attention="sdpa")
         seqs = [SeqSlice(pool.allocate(1, "draft"), 0, 1) for _ in range(c.max_num_seqs)]
         draft.run(seqs, [1] * len(seqs), [0] * len(seqs), list(range(len(seqs))))
+        del draft
     # the verify's logits: every sequence's k + 1 rows, in float32, and sampling's copies
     rows = c.max_num_seqs * (PLAN_K + 1)
     logits = torch.empty(3, rows, t.vocab_size, dtype=torch.float32, device=device)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) - pool.budget_bytes   # not the scratch pool
     del pool, target, logits
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
