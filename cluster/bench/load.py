@@ -30,6 +30,13 @@ def add_arguments(p) -> None:
 
 
 def _load_rank(path: str, rank: int, world: int, dtype: str, out) -> None:
+    try:
+        _measure_rank(path, rank, world, dtype, out)
+    except Exception as exc:                     # the parent prints it instead of a traceback
+        out.send({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _measure_rank(path: str, rank: int, world: int, dtype: str, out) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -49,6 +56,10 @@ def _load_rank(path: str, rank: int, world: int, dtype: str, out) -> None:
 def run(args) -> int:
     from models.synthetic import write_random_llama
 
+    if args.heads % args.tp or args.kv_heads % args.tp:
+        print(f"specserve: --tp {args.tp} must divide --heads {args.heads} and --kv-heads "
+              f"{args.kv_heads}")
+        return 2
     folder = Path(args.dir) / (f"llama-h{args.hidden}-l{args.layers}-{args.heads}x{args.kv_heads}"
                                f"-mlp{args.mlp}-v{args.vocab}")
     if not (folder / "model.safetensors.index.json").exists():
@@ -68,6 +79,11 @@ def run(args) -> int:
     rows = [p.recv() for p in pipes]
     for proc in procs:
         proc.join()
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        for r in errors:
+            print(f"specserve: rank {r['rank']}: {r['error']}")
+        return 2
     mib = 1 << 20
     print(f"checkpoint {checkpoint / mib:.0f} MiB on disk, tp {args.tp}, served {args.dtype}")
     print(f"{'rank':>4} {'shard MiB':>10} {'peak growth MiB':>16} {'growth/shard':>13} "

@@ -55,7 +55,11 @@ def run(args) -> int:
         print(f"specserve: unknown GPU {args.gpu!r}; presets: {sorted(GPUS)}")
         return 2
     gpu = GPUS[args.gpu]
-    cfg = load_config(args.config)
+    try:
+        cfg = load_config(args.config)
+    except (OSError, ValueError) as exc:          # a missing file, or one that does not validate
+        print(f"specserve: {exc}")
+        return 2
     ok = True
     for name, tier in (("target", cfg.target), ("small", cfg.small)):
         if tier is None or tier.device != "cuda":
