@@ -28,3 +28,14 @@ class RequestFailedError(RuntimeError):
 class TPGroupError(RuntimeError):
     """A forward failed on some rank of a tensor-parallel group. The ranks' collectives may be
     out of step, so the group never serves again: the engine stops and the replica is rebuilt."""
+
+
+class InvalidParamError(ValueError):
+    """A request field the engine refuses (HTTP 400 naming `param`)."""
+
+    def __init__(self, message: str, param: str):
+        self.message, self.param = message, param
+        super().__init__(message)
+
+    def __reduce__(self):          # crosses the engine process's pipe (engine/engine_core.py)
+        return type(self), (self.message, self.param)

@@ -24,6 +24,7 @@ from engine.faults import Delays, Faults, FaultyRunner
 from engine.goodput import GoodputCheck
 from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
 from engine.kv_cache import BlockPool
+from engine.logits_processors import Processors
 from engine.memory import cpu_kv_budget_bytes, measure_gpu
 from engine.metrics import Metrics, MetricsSnapshot, ServingTimes
 from engine.model_runner import ModelRunner
@@ -106,6 +107,8 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.draft_swaps = 0
         self.detok: dict[str, Detokenizer] = {}
+        self.processors = Processors(self.tokenizer, self.target_model.vocab_size,
+                                     self.target_model.eos_token_ids)
 
     def _planned_kv_budget(self) -> int:
         """The KV budget from device memory (engine/memory.py): measured and planned on a GPU,
@@ -169,6 +172,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(request_id, list(prompt_ids), params, options or RequestOptions())
+        seq.processor = self.processors.build(params, len(prompt_ids))
         self.seqs[request_id] = seq
         self.detok[request_id] = Detokenizer(self.tokenizer, params.stop)
         self.scheduler.add(seq)
@@ -337,8 +341,8 @@ class LLMEngine:
         for t in tokens:
             seq.token_ids.append(t)
             new.append(t)
-            if t in stop_ids:
-                return new, FinishReason.STOP
+            if t in stop_ids or seq.processor is not None and seq.processor.complete(seq.token_ids):
+                return new, FinishReason.STOP        # (complete: the grammar allows nothing more)
             if seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 return new, FinishReason.LENGTH
         return new, None

@@ -25,6 +25,7 @@ class FinishReason(str, Enum):
 
 
 MAX_TOP_K = 1 << 31      # top_k beyond the vocabulary is "off"; beyond this it is refused
+MAX_LOGIT_BIAS = 300     # entries, as OpenAI
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # what torch.Generator.manual_seed takes
 
 
@@ -47,6 +48,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None           # a seeded request is reproducible
+    # Logits processing (engine/logits_processors.py), OpenAI's ranges and vLLM's
+    # repetition_penalty; the draft's rows get the same processing as the target's.
+    presence_penalty: float = 0.0     # [-2, 2], once per token id in the output so far
+    frequency_penalty: float = 0.0    # [-2, 2], per occurrence in the output so far
+    repetition_penalty: float = 1.0   # (0, 2], on tokens of the prompt and the output; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100])
+    json_schema: str | None = None    # the output must match this JSON schema (engine/grammar.py)
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -67,13 +75,42 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        self._check_processing()
         low, high = SEED_RANGE
         if self.seed is not None and (not _is_int(self.seed) or not low <= self.seed <= high):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
 
+    def _check_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be a number in (0, 2], "
+                             f"got {self.repetition_penalty!r}")
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = tuple(sorted((int(t) if isinstance(t, str) else t, b) for t, b in items))
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias must map token ids to numbers") from None
+        if len(pairs) > MAX_LOGIT_BIAS or not all(
+                _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in pairs):
+            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers "
+                             "in [-100, 100]")
+        object.__setattr__(self, "logit_bias", pairs)
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError("json_schema must be a string (a JSON schema's text)")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether rows of this request need `engine/logits_processors.py` at all."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.json_schema is not None)
 
 
 @dataclass

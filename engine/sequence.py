@@ -48,6 +48,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.generator: torch.Generator | None = None
+        self.processor = None                 # engine/logits_processors.py, when params ask
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         # Live acceptance (docs/architecture.md, "Vocabulary").

@@ -8,7 +8,9 @@ Sequences with k = 0 (baseline, or speculation not paying this step) ride in the
 If the draft fails (an exception in its forward), the step goes on without it: its sequences
 verify with k = 0 and their results say `draft_error`, so the engine drops them to baseline.
 Seeded requests use the Gumbel-max coupling instead of rejection sampling, so their text does not
-depend on k (`engine/coupled_sampler.py`).
+depend on k (`engine/coupled_sampler.py`). Penalties, logit bias and grammars process the draft's
+and the target's rows alike, position by position, before any of it
+(`engine/logits_processors.py`).
 The math lives in `engine/sampler.py` and `engine/rejection_sampler.py`; the KV rollback is only
 a count (`num_computed`), since slots past it are simply overwritten later.
 """
@@ -22,6 +24,7 @@ import torch
 
 from engine.attention import SeqSlice
 from engine.coupled_sampler import coupled_seed, couple_rows
+from engine.logits_processors import process
 from engine.model_runner import ModelRunner
 from engine.rejection_sampler import rejection_sample
 from engine.sampler import RowParams, greedy_tokens, probabilities, sample, uniforms
@@ -67,6 +70,7 @@ def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy
             pos += range(start, start + len(feed))
             rows.append(len(ids) - 1)
         logits = draft.run(seqs, ids, pos, rows)                            # [len(active), vocab]
+        logits = process(logits, [(items[i].seq, drafted[i]) for i in active])
         if greedy:
             tokens = greedy_tokens(logits).tolist()
         else:
@@ -130,6 +134,10 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
     if logits.is_cuda:         # timed to the end of the forward (the CPU runs it in the call)
         torch.cuda.synchronize(logits.device)
     times = StepTimes(draft_s, time.perf_counter() - start)
+    # Verify row j of a sequence is processed as if its first j drafts were emitted, as the
+    # draft's round j was (engine/logits_processors.py).
+    logits = process(logits, [(it.seq, drafted.get(id(it), [])[:j])
+                              for it in sampling for j in range(it.k + 1)])
 
     # Accept: flat drafts over the sampling sequences (k = 0 for those not speculating).
     # Seeded rows: the target's choice is its coupled sample and the rule is greedy

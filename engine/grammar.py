@@ -1,0 +1,139 @@
+"""JSON output under a grammar: a JSON schema compiled to a token-level automaton (outlines-core).
+
+Owns: the served tokenizer's vocabulary as bytes (the form outlines-core matches against), the
+compiled automata (`Grammar`, cached per schema text), and a state's allowed tokens as an index
+tensor. Does not own where the mask is applied (`engine/logits_processors.py`) nor the schema's
+wire shape (`router/openai_schema.py`).
+
+outlines-core's `Index` is a stateless map (state, token) -> state, so a state is a plain int:
+the state at draft position j is the sequence's state advanced through the j tokens drafted
+before it, and a rejection needs no rollback (the sequence's state only ever advances through
+emitted tokens). Why outlines-core: docs/decisions/0027-grammar-library.md.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import torch
+
+# response_format {"type": "json_object"}: any JSON object (nesting up to the library's default
+# recursion depth of 3).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+MAX_CACHED_GRAMMARS = 32
+MAX_CACHED_MASKS = 4096       # allowed-token tensors kept per grammar (one per automaton state)
+
+
+class GrammarError(ValueError):
+    """A schema the library cannot compile (an unsupported keyword, invalid JSON)."""
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet backwards: the printable character that stands for each byte
+    in a byte-level BPE token string -> that byte."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars, extra = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def token_bytes(tokenizer) -> dict[bytes, list[int]]:
+    """Each non-special token's bytes -> its ids. Byte-level BPE tokens map through GPT-2's byte
+    alphabet; SentencePiece tokens turn '▁' into a space and `<0xNN>` into byte NN."""
+    special = set(tokenizer.all_special_ids)
+    decoder = _byte_decoder()
+    vocab = tokenizer.get_vocab()
+    byte_level = all(c in decoder for t in vocab for c in t if t and vocab[t] not in special)
+    out: dict[bytes, list[int]] = {}
+    for text, token_id in vocab.items():
+        if token_id in special or not text:
+            continue
+        if byte_level:
+            raw = bytes(decoder[c] for c in text)
+        elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            raw = bytes([int(text[3:5], 16)])
+        else:
+            raw = text.replace("\u2581", " ").encode()
+        out.setdefault(raw, []).append(token_id)
+    return out
+
+
+class Grammar:
+    """One compiled schema. States are ints; `None` is a dead state (no valid continuation)."""
+
+    def __init__(self, index, eos_token_id: int):
+        self.index = index
+        self.eos_token_id = eos_token_id
+        self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def initial_state(self) -> int:
+        return self.index.get_initial_state()
+
+    def advance(self, state: int | None, token: int) -> int | None:
+        if state is None or token == self.eos_token_id:
+            return None
+        return self.index.get_next_state(state, token)
+
+    def allowed(self, state: int | None, device) -> torch.Tensor:
+        """[n] long: the tokens allowed in `state` (a dead state allows eos only, so a row is
+        never all -inf)."""
+        key = -1 if state is None else state
+        with self._lock:
+            ids = self._masks.get(key)
+            if ids is None:
+                tokens = [self.eos_token_id] if state is None else self.index.get_allowed_tokens(state)
+                ids = torch.tensor(sorted(tokens), dtype=torch.long)
+                self._masks[key] = ids
+                if len(self._masks) > MAX_CACHED_MASKS:
+                    self._masks.popitem(last=False)
+        return ids.to(device)
+
+    def complete(self, state: int | None) -> bool:
+        """The text so far is a whole match and nothing but eos may follow."""
+        if state is None or not self.index.is_final_state(state):
+            return False
+        return self.index.get_allowed_tokens(state) == [self.eos_token_id]
+
+
+class GrammarCompiler:
+    """Compiles schemas against one tokenizer; compiled grammars are cached by schema text."""
+
+    def __init__(self, tokenizer, eos_token_id: int):
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self._vocabulary = None
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+
+    def compile(self, schema: str) -> Grammar:
+        grammar = self._cache.get(schema)
+        if grammar is None:
+            grammar = Grammar(self._index(schema), self.eos_token_id)
+            self._cache[schema] = grammar
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(schema)
+        return grammar
+
+    def _index(self, schema: str):
+        from outlines_core import Index, Vocabulary
+        from outlines_core.json_schema import build_regex_from_schema
+
+        try:
+            json.loads(schema)
+            regex = build_regex_from_schema(schema)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.eos_token_id, token_bytes(self.tokenizer))
+        try:
+            return Index(regex, self._vocabulary)
+        except (ValueError, TypeError) as exc:     # e.g. no token sequence can match
+            raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
