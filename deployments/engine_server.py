@@ -238,8 +238,8 @@ class EngineServer:
             logger.error("request %s: the engine loop is dead", req.request_id)
             raise TierError(503, "this replica's engine stopped; retry (it is being replaced)",
                             type_="server_error", code="replica_failed") from None
-        except ValueError as exc:
-            raise TierError(400, str(exc)) from None
+        except ValueError as exc:      # InvalidParamError names its field
+            raise TierError(400, str(exc), param=getattr(exc, "param", None)) from None
         finally:
             # Runs on finish, error and cancellation (client gone): frees the KV at once.
             self.engine.abort(req.request_id)

@@ -6,7 +6,7 @@ that would change the output and are not implemented are refused by name; a bad 
 a 400 with `{"error": {"message", "type", "code", "param"}}`, see `router/validation.py`) and
 the shape of what goes back, including
 specserve's extensions: `speculation` (auto|on|off), `allow_downgrade`, `return_token_ids` on
-requests; `tier`, `reason`, `price_usd` in `usage`. Does not own tokenization (the replicas do),
+requests, vLLM's `repetition_penalty`; `tier`, `reason`, `price_usd` in `usage`. Does not own tokenization (the replicas do),
 nor the choice of tier (`router/policy.py`).
 """
 
@@ -33,6 +33,9 @@ MAX_TOKEN_ID = (1 << 31) - 1      # the replica checks ids against its vocabular
 MAX_MESSAGES = 512
 MAX_CONTENT_PARTS = 64
 MAX_USER_CHARS = 256
+MAX_LOGIT_BIAS = 300              # entries, as OpenAI
+MAX_SCHEMA_CHARS = 1 << 16        # a response_format schema, as compact JSON text
+JSON_OBJECT_SCHEMA = '{"type": "object"}'   # response_format json_object: any JSON object
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -43,10 +46,8 @@ StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 # with a 400 that names the field. Every other unknown field is refused as unrecognized.
 UNSUPPORTED_UNLESS_OFF = {
     "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False, 0),
-    "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "response_format": ({"type": "text"},),
-    "parallel_tool_calls": (False,),
+    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "parallel_tool_calls": (False,),
 }
 
 
@@ -58,6 +59,47 @@ def _is_off(value: Any, off_values: tuple) -> bool:
                or (isinstance(off, int) and not isinstance(off, bool)
                    and type(value) is float and value == off)
                for off in off_values)
+
+
+BiasKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]     # a token id, as JSON keys are
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(None, max_length=MAX_SCHEMA_CHARS)
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None    # the grammar always holds the output to the schema
+
+    @field_validator("schema_")
+    @classmethod
+    def _bounded(cls, value: dict) -> dict:
+        if len(json.dumps(value, separators=(",", ":"))) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"the schema is longer than {MAX_SCHEMA_CHARS} characters as JSON")
+        return value
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or JSON matching a schema (the
+    replica compiles it with its tokenizer: engine/grammar.py)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with, and only with, type json_schema")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must match, as text; None for plain text."""
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.type == "json_schema":
+            return json.dumps(self.json_schema.schema_, separators=(",", ":"))
+        return None
 
 
 class StreamOptions(BaseModel):
@@ -83,6 +125,13 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
     ignore_eos: bool = False
+    # Logits processing, applied alike to the draft's and the target's rows
+    # (engine/logits_processors.py).
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)      # vLLM's extension; 1 = off
+    logit_bias: dict[BiasKey, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    response_format: ResponseFormat | None = None
     # specserve extensions
     speculation: Literal["auto", "on", "off"] = "auto"
     allow_downgrade: bool = False
@@ -114,7 +163,12 @@ class _Request(BaseModel):
         max_tokens = self.requested_max_tokens()[0]
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "max_tokens": max_tokens or max_tokens_default, "stop": list(self.stop or []),
-                "ignore_eos": self.ignore_eos, "seed": self.seed}
+                "ignore_eos": self.ignore_eos, "seed": self.seed,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty,
+                "logit_bias": dict(self.logit_bias or {}),
+                "json_schema": self.response_format.schema_text() if self.response_format else None}
 
 
 class CompletionRequest(_Request):

@@ -60,9 +60,9 @@ def test_token_ids_are_ints_in_range():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("echo", True), ("logit_bias", {"50256": -100}), ("presence_penalty", 5),
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("n", 2), ("best_of", 3),
-    ("logprobs", 2), ("logprobs", True), ("suffix", "end"), ("n", True),
+    ("echo", True), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+    ("n", 2), ("best_of", 3), ("logprobs", 2), ("logprobs", True), ("suffix", "end"),
+    ("n", True),
 ])
 def test_unsupported_fields_are_refused_by_name(field, value):
     err = refused(CompletionRequest, {**OK, field: value})
@@ -70,8 +70,8 @@ def test_unsupported_fields_are_refused_by_name(field, value):
 
 
 def test_unsupported_fields_at_their_off_value_are_accepted():
-    off = {"n": 1, "best_of": 1, "echo": False, "logit_bias": {}, "presence_penalty": 0,
-           "frequency_penalty": 0.0, "logprobs": None, "suffix": None, "user": "u",
+    off = {"n": 1, "best_of": 1, "echo": False, "tools": [], "tool_choice": "none",
+           "logprobs": None, "suffix": None, "user": "u",
            "stream_options": {"include_usage": True}}
     assert validate_request(CompletionRequest, {**OK, **off}).model == "m"
 
@@ -189,3 +189,51 @@ def test_ingress_limit_below_serve_limit():
     with pytest.raises(ValueError, match="max_in_flight"):
         AppConfig.model_validate({"target": {"model": "/m"}, "limits": {
             "max_in_flight": 300, "max_ongoing_requests": 256}})
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("model_cls,base", [(CompletionRequest, OK), (ChatCompletionRequest, CHAT)])
+def test_processing_fields_reach_the_sampling_params(model_cls, base):
+    body = {**base, "presence_penalty": -2, "frequency_penalty": 1.5, "repetition_penalty": 1.2,
+            "logit_bias": {"0": -100, "17": 100, "300": 2.5},
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "thing", "schema": SCHEMA,
+                                                "strict": True}}}
+    kw = validate_request(model_cls, body).sampling_kwargs(16)
+    assert (kw["presence_penalty"], kw["frequency_penalty"], kw["repetition_penalty"]) == (-2, 1.5, 1.2)
+    assert kw["logit_bias"] == {"0": -100, "17": 100, "300": 2.5}
+    assert json.loads(kw["json_schema"]) == SCHEMA
+    kw = validate_request(model_cls, {**base, "response_format": {"type": "json_object"}}) \
+        .sampling_kwargs(16)
+    assert json.loads(kw["json_schema"]) == {"type": "object"}
+    for off in ({}, {"response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0}):
+        kw = validate_request(model_cls, {**base, **off}).sampling_kwargs(16)
+        assert kw["json_schema"] is None and not kw["logit_bias"] and kw["presence_penalty"] == 0
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("presence_penalty", 2.01, "presence_penalty"), ("presence_penalty", "1", "presence_penalty"),
+    ("frequency_penalty", -2.5, "frequency_penalty"), ("repetition_penalty", 0, "repetition_penalty"),
+    ("repetition_penalty", 2.5, "repetition_penalty"), ("logit_bias", {"7": 100.5}, "logit_bias.7"),
+    ("logit_bias", {"x": 1}, "logit_bias.x"), ("logit_bias", {"-1": 1}, "logit_bias"),
+    ("logit_bias", {"1": True}, "logit_bias.1"), ("logit_bias", [1], "logit_bias"),
+    ("logit_bias", {str(i): 1 for i in range(301)}, "logit_bias"),
+    ("response_format", {"type": "xml"}, "response_format.type"),
+    ("response_format", {"type": "json_schema"}, "response_format"),
+    ("response_format", {"type": "json_object", "json_schema": {"name": "a", "schema": {}}},
+     "response_format"),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+     "response_format.json_schema.name"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}},
+     "response_format.json_schema.name"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}},
+     "response_format.json_schema.schema"),
+    ("response_format", {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"enum": ["x" * 1000] * 70}}}, "response_format.json_schema.schema"),
+])
+def test_processing_fields_out_of_range_name_the_field(field, value, param):
+    err = refused(ChatCompletionRequest, {**CHAT, field: value})
+    assert err.param == param, (err.param, err.message)
+    assert err.code in ("invalid_value", "missing_required_parameter")
