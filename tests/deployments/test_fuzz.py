@@ -33,9 +33,9 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
 OUT_OF_RANGE = {"temperature": [2.5, -0.5, 1e9], "top_p": [0, 1.01, -1], "top_k": [-1, 2 ** 63,
                 9223372036854775808, 2 ** 21], "max_tokens": [0, -5, 2 ** 40, 10 ** 6],
                 "max_completion_tokens": [0, 2 ** 40], "n": [2, 0, 100], "seed": [-1, 2 ** 64],
-                "presence_penalty": [5, -3, 0.5], "frequency_penalty": [2.5, 1],
+                "presence_penalty": [5, -3, 2.01], "frequency_penalty": [2.5, -2.01],
                 "stop": [["a"] * 5, ["x" * 1000], ["\n"] * 10_000, [""]], "best_of": [4],
-                "logprobs": [5, True], "echo": [True], "logit_bias": [{"1": 100}]}
+                "logprobs": [5, True], "echo": [True], "logit_bias": [{"1": 101}, {"x": 1}]}
 TEXTS = ["\u0000", "a\u0000b", "\u202e\u05e9\u05dc\u05d5\u05dd \u0627\u0644\u0633\u0644\u0627\u0645",
          "\U0001F600\U0001F469\u200d\U0001F4BB", "\ufeff\ufffd", "e\u0301\u0301\u0301", " ",
          "\t\n\r", "def add(a, b):", "x" * 3000]
@@ -200,7 +200,7 @@ def test_named_defects_each_answer_400(app):
         ({**base, "stream": "yes"}, "stream"),
         ({**base, "stop": ["s"] * 10_000}, "stop"),
         ({**base, "presence_penalty": 5}, "presence_penalty"),
-        ({**base, "logit_bias": {"1": 5}}, "logit_bias"),
+        ({**base, "logit_bias": {"1": 500}}, "logit_bias"),
         ({**base, "echo": True}, "echo"),
         ({**base, "prompt": [5.5]}, "prompt"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],

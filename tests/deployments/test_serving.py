@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -255,3 +256,65 @@ def test_metrics_appear_on_the_export_port(app):
         time.sleep(2)
     assert not missing, f"not exported: {missing}"
     assert 'tier="speculative"' in text and 'reason="plan_premium"' in text
+
+
+PROCESSED_SCHEMA = {"type": "object",
+                    "properties": {"name": {"type": "string", "maxLength": 6},
+                                   "ok": {"type": "boolean"},
+                                   "kind": {"enum": ["cat", "dog"]}},
+                    "required": ["name", "ok", "kind"]}
+
+
+@pytest.mark.parametrize("plan", ["premium", "standard", "economy"])
+def test_penalties_bias_and_json_output_on_every_tier(app, plan):
+    """Penalties, logit bias and response_format on chat and completions, each tier: the text
+    matches the schema and the request ends with `stop`; a +100 bias decides greedy text."""
+    import jsonschema
+
+    processing = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.1,
+                  "logit_bias": {"10": -100}, "temperature": 0.9, "seed": 3, "max_tokens": 80}
+    formats = [{"type": "json_schema",
+                "json_schema": {"name": "pet", "schema": PROCESSED_SCHEMA, "strict": True}},
+               {"type": "json_object"}]
+    with app.client(plan) as client:
+        for chat, response_format in [(False, formats[0]), (True, formats[0]), (True, formats[1])]:
+            body = {"model": MODEL, "response_format": response_format, **processing,
+                    **({"messages": [{"role": "user", "content": "a pet"}]} if chat
+                       else {"prompt": "a pet:"})}
+            r = client.post(ENDPOINTS[plan] + ("/chat/completions" if chat else "/completions"),
+                            json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert r.json()["usage"]["tier"] == EXPECTED_TIER[plan]
+            text = choice["message"]["content"] if chat else choice["text"]
+            if response_format["type"] == "json_schema":
+                assert choice["finish_reason"] == "stop", text
+                jsonschema.validate(json.loads(text), PROCESSED_SCHEMA)
+            else:
+                assert text.startswith("{")
+                if choice["finish_reason"] == "stop":
+                    assert isinstance(json.loads(text), dict)
+        r = client.post(ENDPOINTS[plan] + "/completions",
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0,
+                              "logit_bias": {"42": 100}, "return_token_ids": True,
+                              "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [42] * 4, r.text
+
+
+def test_processing_errors_answer_400_naming_the_field(app):
+    vocab_id = str(1 << 20)         # a valid id on the wire, beyond the tiny vocabulary
+    cases = [({"presence_penalty": 2.5}, "presence_penalty"),
+             ({"logit_bias": {"1": 250}}, "logit_bias.1"),
+             ({"logit_bias": {vocab_id: 1}}, "logit_bias"),                 # the replica's 400
+             ({"response_format": {"type": "xml"}}, "response_format.type"),
+             ({"response_format": {"type": "json_schema", "json_schema": {
+                 "name": "x", "schema": {"type": "nonsense"}}}}, "response_format")]   # compile
+    for plan in ("premium", "economy"):
+        with app.client(plan) as client:
+            for extra, param in cases:
+                r = client.post(ENDPOINTS[plan] + "/completions",
+                                json={"model": MODEL, "prompt": "x", "max_tokens": 2, **extra})
+                err = _error(r, 400)
+                assert err["param"] == param, (plan, extra, err)
+            assert client.post(ENDPOINTS[plan] + "/completions", json={
+                "model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
