@@ -55,6 +55,7 @@ def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy
     seeds[i]: the coupled sampler's seed for item i (None: sample from q with its generator).
     """
     drafted: list[list[int]] = [[] for _ in items]
+    processing = any(it.seq.processor is not None for it in items)
     probs: list[list[torch.Tensor]] = [[] for _ in items]
     for j in range(max(it.k for it in items)):
         active = [i for i, it in enumerate(items) if it.k > j]
@@ -70,7 +71,8 @@ def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy
             pos += range(start, start + len(feed))
             rows.append(len(ids) - 1)
         logits = draft.run(seqs, ids, pos, rows)                            # [len(active), vocab]
-        logits = process(logits, [(items[i].seq, drafted[i]) for i in active])
+        if processing:
+            logits = process(logits, [(items[i].seq, drafted[i]) for i in active])
         if greedy:
             tokens = greedy_tokens(logits).tolist()
         else:
@@ -136,8 +138,9 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
     times = StepTimes(draft_s, time.perf_counter() - start)
     # Verify row j of a sequence is processed as if its first j drafts were emitted, as the
     # draft's round j was (engine/logits_processors.py).
-    logits = process(logits, [(it.seq, drafted.get(id(it), [])[:j])
-                              for it in sampling for j in range(it.k + 1)])
+    if any(it.seq.processor is not None for it in sampling):
+        logits = process(logits, [(it.seq, drafted.get(id(it), [])[:j])
+                                  for it in sampling for j in range(it.k + 1)])
 
     # Accept: flat drafts over the sampling sequences (k = 0 for those not speculating).
     # Seeded rows: the target's choice is its coupled sample and the rule is greedy
