@@ -166,6 +166,27 @@ MUTANTS = [
            "rule_greedy = [it.seq.params.greedy or False for",
            (T + "test_seeded.py::test_fixed_k_equals_plain",),
            "seeded rows go through rejection sampling: their text depends on k"),
+    # ---- logits processing under speculation ------------------------------------------------
+    Mutant("verify-rows-ignore-drafts", "engine/spec_decode.py",
+           "drafted.get(id(it), [])[:j])", "drafted.get(id(it), [])[:0])",
+           (T + "test_logits_processors.py::"
+            "test_greedy_speculative_equals_plain_decoding_with_penalties",),
+           "the target's verify rows are processed without the drafts before them"),
+    Mutant("draft-rows-miss-last-draft", "engine/spec_decode.py",
+           "(items[i].seq, drafted[i]) for i in active]",
+           "(items[i].seq, drafted[i][:-1]) for i in active]",
+           (T + "test_logits_processors.py::"
+            "test_the_target_as_its_own_draft_accepts_every_processed_draft",),
+           "the draft's round j is processed without the token drafted just before it"),
+    Mutant("presence-counts-repeats", "engine/logits_processors.py",
+           "(counts > 0).float() * self.presence", "counts * self.presence",
+           (T + "test_logits_processors.py::test_rows_follow_the_formula_with_the_drafts_before_them",),
+           "the presence penalty is charged per occurrence, like the frequency penalty"),
+    Mutant("grammar-state-ignores-drafts", "engine/logits_processors.py",
+           "self.grammar.allowed(self.grammar_state(drafted), row.device)",
+           "self.grammar.allowed(self.grammar_state([]), row.device)",
+           (T + "test_grammar.py::test_a_hundred_sampled_requests_all_match_the_schema",),
+           "a row's grammar mask is the state before this step's drafts"),
     # ---- billing counts ---------------------------------------------------------------------
     Mutant("spec-count-ignores-mode", "engine/llm_engine.py",
            "        if seq.speculative:                   # what ran, for pricing",
