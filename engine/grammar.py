@@ -23,7 +23,7 @@ import torch
 # recursion depth of 3).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 MAX_CACHED_GRAMMARS = 32
-MAX_CACHED_MASKS = 4096       # allowed-token tensors kept per grammar (one per automaton state)
+MAX_CACHED_IDS = 1 << 24      # allowed token ids kept per grammar, all states together (64 MB)
 
 
 class GrammarError(ValueError):
@@ -70,7 +70,8 @@ class Grammar:
     def __init__(self, index, eos_token_id: int):
         self.index = index
         self.eos_token_id = eos_token_id
-        self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()   # state -> allowed ids
+        self._cached_ids = 0
         self._lock = threading.Lock()
 
     @property
@@ -90,11 +91,13 @@ class Grammar:
             ids = self._masks.get(key)
             if ids is None:
                 tokens = [self.eos_token_id] if state is None else self.index.get_allowed_tokens(state)
-                ids = torch.tensor(sorted(tokens), dtype=torch.long)
+                ids = torch.tensor(tokens, dtype=torch.int32)
                 self._masks[key] = ids
-                if len(self._masks) > MAX_CACHED_MASKS:
-                    self._masks.popitem(last=False)
-        return ids.to(device)
+                self._cached_ids += len(ids)
+                while self._cached_ids > MAX_CACHED_IDS and len(self._masks) > 1:   # LRU first
+                    self._cached_ids -= len(self._masks.popitem(last=False)[1])
+            self._masks.move_to_end(key)
+        return ids.to(device=device, dtype=torch.long)
 
     def complete(self, state: int | None) -> bool:
         """The text so far is a whole match and nothing but eos may follow."""
