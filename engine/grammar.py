@@ -90,7 +90,8 @@ class Grammar:
         with self._lock:
             ids = self._masks.get(key)
             if ids is None:
-                tokens = [self.eos_token_id] if state is None else self.index.get_allowed_tokens(state)
+                tokens = ([self.eos_token_id] if state is None
+                          else self.index.get_allowed_tokens(state))
                 ids = torch.tensor(tokens, dtype=torch.int32)
                 self._masks[key] = ids
                 self._cached_ids += len(ids)

@@ -5,7 +5,8 @@ Owns: turning a forward's [num_rows, vocab_size] logits into the processed logit
 for it (its output tokens' counts, its grammar state). Does not own sampling nor the accept rule.
 
 Per row, in this order (logits l, vocabulary entry v):
-- **repetition penalty** (vLLM's): for v in the prompt or the output, l_v / r if l_v > 0 else l_v * r;
+- **repetition penalty** (vLLM's): for v in the prompt or the output, l_v / r if l_v > 0, else
+  l_v * r;
 - **frequency and presence penalties** (OpenAI's): l_v -= c_v * frequency + (c_v > 0) * presence,
   c_v the count of v in the output so far (the prompt does not count);
 - **logit bias**: l_v += bias_v;
