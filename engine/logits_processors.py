@@ -18,7 +18,7 @@ function. Row j of a sequence (its j-th draft round, or its j-th verify row) is 
 the tokens drafted before j had been emitted: they count as output and advance the grammar. The
 accepted prefix IS those tokens, so each emitted token comes from (or is verified against) the
 distribution plain decoding processes at its position, and the rejection rule compares processed
-q with processed p. A sequence's own state advances only through emitted tokens (`_sync`), so a
+q with processed p. A sequence's own state advances only through emitted tokens (`sync`), so a
 rejection needs no rollback. Rows of requests without processing are not touched.
 """
 
@@ -47,7 +47,7 @@ class RequestProcessor:
         self.state = grammar.initial_state if grammar is not None else None
         self._synced = 0                            # output tokens absorbed into the state
 
-    def _sync(self, token_ids: list[int], device) -> None:
+    def sync(self, token_ids: list[int], device) -> None:
         """Absorb the output tokens emitted since the last call (`token_ids`: prompt + output)."""
         if self.counts is None:
             self.counts = torch.zeros(self.vocab_size, device=device)
@@ -147,7 +147,7 @@ def process(logits: torch.Tensor, rows: list) -> torch.Tensor:
         seq, drafted = rows[r]
         proc = seq.processor
         if id(seq) not in synced:
-            proc._sync(seq.token_ids, out.device)
+            proc.sync(seq.token_ids, out.device)
             synced.add(id(seq))
         out[r] = proc.apply(out[r], drafted)
     return out
