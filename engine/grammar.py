@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -108,36 +109,65 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """Compiles schemas against one tokenizer; compiled grammars are cached by schema text."""
+    """Compiles schemas against one tokenizer; grammars are cached by schema text.
+
+    The regex is built in the caller's thread (fast, and where a schema the library refuses is
+    caught), the index on one worker thread: it takes seconds for a loose schema and
+    outlines-core releases the GIL meanwhile, so the engine's step loop runs on.
+    """
 
     def __init__(self, tokenizer, eos_token_id: int):
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self._vocabulary = None
-        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._cache: OrderedDict[str, Grammar | Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
     def compile(self, schema: str) -> Grammar:
-        grammar = self._cache.get(schema)
-        if grammar is None:
-            grammar = Grammar(self._index(schema), self.eos_token_id)
-            self._cache[schema] = grammar
-            if len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(schema)
-        return grammar
+        """The grammar of `schema`, waiting for its compile."""
+        found = self.compile_later(schema)
+        return found if isinstance(found, Grammar) else found.result()
 
-    def _index(self, schema: str):
-        from outlines_core import Index, Vocabulary
+    def compile_later(self, schema: str) -> Grammar | Future:
+        """The cached grammar, or a Future of it. Raises GrammarError at once for a schema the
+        library refuses."""
+        with self._lock:
+            found = self._cache.get(schema)
+            if found is not None:
+                self._cache.move_to_end(schema)
+                return found
+        regex = self._regex(schema)
+        with self._lock:
+            found = self._cache.get(schema)
+            if found is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+                found = self._cache[schema] = self._pool.submit(self._build, schema, regex)
+                if len(self._cache) > MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+            return found
+
+    @staticmethod
+    def _regex(schema: str) -> str:
         from outlines_core.json_schema import build_regex_from_schema
 
         try:
             json.loads(schema)
-            regex = build_regex_from_schema(schema)
+            return build_regex_from_schema(schema)
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
-        if self._vocabulary is None:
+
+    def _build(self, schema: str, regex: str) -> Grammar:
+        from outlines_core import Index, Vocabulary
+
+        if self._vocabulary is None:        # only this worker thread builds indexes
             self._vocabulary = Vocabulary(self.eos_token_id, token_bytes(self.tokenizer))
         try:
-            return Index(regex, self._vocabulary)
+            grammar = Grammar(Index(regex, self._vocabulary), self.eos_token_id)
         except (ValueError, TypeError) as exc:     # e.g. no token sequence can match
             raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
+        with self._lock:
+            if schema in self._cache:       # the grammar itself from now on, not its Future
+                self._cache[schema] = grammar
+        return grammar

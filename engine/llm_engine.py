@@ -175,7 +175,10 @@ class LLMEngine:
         seq.processor = self.processors.build(params, len(prompt_ids))
         self.seqs[request_id] = seq
         self.detok[request_id] = Detokenizer(self.tokenizer, params.stop)
-        self.scheduler.add(seq)
+        if seq.processor is not None and not seq.processor.ready():
+            self.processors.compiling.append(seq)     # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)
@@ -203,7 +206,7 @@ class LLMEngine:
         self.faults.arm(kind, count, after)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.processors.compiling)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -228,9 +231,12 @@ class LLMEngine:
             self.faults.fire("engine_crash")
         if self.group_error is not None:
             raise TPGroupError(f"the tensor-parallel group failed earlier: {self.group_error}")
+        failed = self.processors.admit(self.scheduler.add, idle=not self.scheduler.has_work())
         items = self.scheduler.schedule()
         # Sequences that outgrew the whole KV pool end with `length` and a final output.
         outputs = [self._output(seq, [], final=True) for seq in self.scheduler.take_truncated()]
+        for seq, exc in failed:                       # their grammar did not compile
+            outputs += self._fail([seq], exc)
         if not items:
             return outputs
         self._mark_kv()

@@ -24,28 +24,43 @@ rejection needs no rollback. Rows of requests without processing are not touched
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
 import torch
 
 from engine.errors import InvalidParamError
 from engine.grammar import Grammar, GrammarCompiler, GrammarError
+from engine.sequence import Status
 
 
 class RequestProcessor:
     """One sequence's processing settings and its state over the output emitted so far."""
 
-    def __init__(self, params, num_prompt: int, vocab_size: int, grammar: Grammar | None = None):
+    def __init__(self, params, num_prompt: int, vocab_size: int,
+                 grammar: Grammar | Future | None = None):
         self.presence = float(params.presence_penalty)
         self.frequency = float(params.frequency_penalty)
         self.repetition = float(params.repetition_penalty)
         self.bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
         self.bias_values = torch.tensor([float(b) for _, b in params.logit_bias])
-        self.grammar = grammar
+        self.compiling = grammar if isinstance(grammar, Future) else None
+        self.grammar = None if self.compiling is not None else grammar
         self.num_prompt = num_prompt
         self.vocab_size = vocab_size
         self.counts: torch.Tensor | None = None     # [vocab_size] float, output tokens so far
         self.seen: torch.Tensor | None = None       # [vocab_size] bool, prompt and output tokens
-        self.state = grammar.initial_state if grammar is not None else None
+        self.state = self.grammar.initial_state if self.grammar is not None else None
         self._synced = 0                            # output tokens absorbed into the state
+
+    def ready(self) -> bool:
+        """Whether the grammar, if any, is compiled (raises its compile's error)."""
+        if self.compiling is None:
+            return True
+        if not self.compiling.done():
+            return False
+        self.grammar = self.compiling.result()
+        self.state, self.compiling = self.grammar.initial_state, None
+        return True
 
     def sync(self, token_ids: list[int], device) -> None:
         """Absorb the output tokens emitted since the last call (`token_ids`: prompt + output)."""
@@ -114,6 +129,7 @@ class Processors:
         self.vocab_size = vocab_size
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, eos)
+        self.compiling: list = []       # sequences admitted once their grammar is compiled
 
     def build(self, params, num_prompt: int) -> RequestProcessor | None:
         """None when the request asks for no processing (its rows are never touched)."""
@@ -125,10 +141,32 @@ class Processors:
         grammar = None
         if params.json_schema is not None:
             try:
-                grammar = self.grammars.compile(params.json_schema)
+                grammar = self.grammars.compile_later(params.json_schema)
+                if isinstance(grammar, Future) and grammar.done() and grammar.exception():
+                    raise grammar.exception()
             except GrammarError as exc:
                 raise InvalidParamError(f"response_format: {exc}", "response_format") from None
         return RequestProcessor(params, num_prompt, self.vocab_size, grammar)
+
+    def admit(self, add, idle: bool) -> list:
+        """Pass each sequence in `compiling` whose grammar is now compiled to `add`; returns
+        [(sequence, error)] for those whose compile failed. Aborted ones are dropped.
+        idle: nothing else can step, so wait up to 50 ms for a compile instead of spinning."""
+        if not self.compiling:
+            return []
+        if idle:
+            wait([seq.processor.compiling for seq in self.compiling], timeout=0.05,
+                 return_when=FIRST_COMPLETED)
+        failed, still = [], []
+        for seq in self.compiling:
+            if seq.status == Status.FINISHED:
+                continue
+            try:
+                (add if seq.processor.ready() else still.append)(seq)
+            except Exception as exc:
+                failed.append((seq, exc))
+        self.compiling = still
+        return failed
 
 
 def process(logits: torch.Tensor, rows: list) -> torch.Tensor:

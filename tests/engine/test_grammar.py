@@ -123,3 +123,23 @@ def test_a_schema_that_does_not_compile_is_refused(make_engine, schema):
         engine.add_request("r", [1, 2], SamplingParams(json_schema=schema))
     assert err.value.param == "response_format"
     assert not engine.has_unfinished()
+
+
+def test_a_schema_compiles_while_other_requests_step(make_engine):
+    """`json_object` takes seconds to compile: the engine steps its other requests meanwhile and
+    schedules the request once its grammar is ready; one aborted while compiling just ends. Red
+    when the compile runs in `add_request` (the first step would find the request scheduled)."""
+    engine = make_engine(adaptive_k=False)
+    engine.add_request("plain", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8,
+                                                           ignore_eos=True))
+    params = SamplingParams(temperature=1.0, max_tokens=60, json_schema=JSON_OBJECT_SCHEMA)
+    engine.add_request("json", PROMPTS[1], params, RequestOptions("speculative", k_max=3))
+    engine.add_request("gone", PROMPTS[2], params)
+    first = {o.request_id: o for o in engine.step()}
+    assert first["plain"].token_ids and "json" not in first
+    assert engine.seqs["json"] not in [*engine.scheduler.waiting, *engine.scheduler.running]
+    assert engine.abort("gone").finish_reason == FinishReason.ABORT
+    chunks = _run(engine, {})
+    assert len(chunks["plain"]) == 7 and chunks["json"][-1].finished
+    assert "".join(o.text for o in chunks["json"]).startswith("{")
+    assert "gone" not in chunks and not engine.has_unfinished() and not engine.processors.compiling
