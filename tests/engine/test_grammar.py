@@ -127,8 +127,9 @@ def test_a_schema_that_does_not_compile_is_refused(make_engine, schema):
 
 def test_a_schema_compiles_while_other_requests_step(make_engine):
     """`json_object` takes seconds to compile: the engine steps its other requests meanwhile and
-    schedules the request once its grammar is ready; one aborted while compiling just ends. Red
-    when the compile runs in `add_request` (the first step would find the request scheduled)."""
+    schedules the request once its grammar is ready; one aborted while compiling never runs.
+    Red when the compile runs in `add_request` (the first step would find the request
+    scheduled), or when an aborted request is scheduled once its grammar is ready."""
     engine = make_engine(adaptive_k=False)
     engine.add_request("plain", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8,
                                                            ignore_eos=True))
@@ -143,3 +144,6 @@ def test_a_schema_compiles_while_other_requests_step(make_engine):
     assert len(chunks["plain"]) == 7 and chunks["json"][-1].finished
     assert "".join(o.text for o in chunks["json"]).startswith("{")
     assert "gone" not in chunks and not engine.has_unfinished() and not engine.processors.compiling
+    emitted = sum(len(o.token_ids) for c in [first["plain"]] + chunks["plain"] + chunks["json"]
+                  for o in ([c] if not isinstance(c, list) else c))
+    assert engine.snapshot().num_emitted_tokens == emitted       # "gone" never ran
