@@ -187,6 +187,10 @@ MUTANTS = [
            "self.grammar.allowed(self.grammar_state([]), row.device)",
            (T + "test_grammar.py::test_a_hundred_sampled_requests_all_match_the_schema",),
            "a row's grammar mask is the state before this step's drafts"),
+    Mutant("aborted-while-compiling-runs", "engine/logits_processors.py",
+           "            if seq.status == Status.FINISHED:", "            if False:",
+           (T + "test_grammar.py::test_a_schema_compiles_while_other_requests_step",),
+           "a request aborted while its grammar compiles is scheduled once the grammar is ready"),
     # ---- billing counts ---------------------------------------------------------------------
     Mutant("spec-count-ignores-mode", "engine/llm_engine.py",
            "        if seq.speculative:                   # what ran, for pricing",
