@@ -11,6 +11,8 @@ from enum import Enum
 
 from models import GREEDY_BELOW  # temperatures below it are greedy
 
+MAX_TOP_LOGPROBS = 20    # alternatives per position a request may ask for (as OpenAI's chat)
+
 
 class Mode(str, Enum):
     SPECULATIVE = "speculative"   # draft proposes up to k_max tokens per step; target verifies
@@ -47,6 +49,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None           # a seeded request is reproducible
+    # Log-probabilities (engine/logprobs.py): None = off; n = each output token's own and its n
+    # best alternatives. prompt_logprobs: the same for every prompt token (the first has none).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -70,6 +76,12 @@ class SamplingParams:
         low, high = SEED_RANGE
         if self.seed is not None and (not _is_int(self.seed) or not low <= self.seed <= high):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be null or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 f"got {n!r}")
 
     @property
     def greedy(self) -> bool:
