@@ -50,3 +50,21 @@ def prompt_rows(num_scored: int, start: int, num_feed: int, num_prompt: int) -> 
     i + 1 < num_prompt. Positions whose token is already scored (`num_scored` prompt tokens,
     counting the first, which has none: a recompute after preemption) are left out."""
     return range(max(start, num_scored - 1), min(start + num_feed, num_prompt - 1))
+
+
+def wire_entries(tokenizer, entries: list) -> list[tuple]:
+    """`TokenLogprob`s as the plain
+    tuples `router/logprobs.py` shapes: (token text, its UTF-8 bytes, logprob, [(text, bytes,
+    logprob)] best first). A token's text is its own decode."""
+    def text(token_id: int) -> tuple[str, list[int]]:
+        s = tokenizer.decode([token_id])
+        return s, list(s.encode("utf-8"))
+
+    return [(*text(e.token_id), e.logprob, [(*text(i), lp) for i, lp in e.top])
+            for e in entries]
+
+
+def wire_prompt(tokenizer, prompt_ids: list[int], entries: list) -> list[tuple]:
+    """A prompt's entries for the wire: its first token with logprob and alternatives None."""
+    s = tokenizer.decode([prompt_ids[0]])
+    return [(s, list(s.encode("utf-8")), None, None)] + wire_entries(tokenizer, entries[1:])
