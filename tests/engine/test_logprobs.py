@@ -131,3 +131,29 @@ def test_requests_that_do_not_ask_get_none(make_engine):
 def test_bad_counts_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_only_the_asking_rows_are_scored(make_engine, monkeypatch):
+    """The cost rule: one log-softmax row per token the asking request emits (and per prompt
+    token it scores), none for the request beside it in the same steps."""
+    import engine.spec_decode as spec_decode
+
+    rows = []
+    real = spec_decode.row_logprobs
+
+    def counting(logits, token_ids, num_top):
+        rows.append(logits.shape[0])
+        return real(logits, token_ids, num_top)
+
+    monkeypatch.setattr(spec_decode, "row_logprobs", counting)
+    engine = make_engine(adaptive_k=False)
+    asking = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=0)
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", PROMPTS[2], asking, RequestOptions(mode="speculative", k_max=3))
+    engine.add_request("b", PROMPTS[3], plain, RequestOptions(mode="speculative", k_max=3))
+    emitted = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            emitted += len(o.token_ids) if o.request_id == "a" else 0
+    assert sum(rows) == emitted + len(PROMPTS[2]) - 1
