@@ -157,3 +157,23 @@ def test_only_the_asking_rows_are_scored(make_engine, monkeypatch):
         for o in engine.step():
             emitted += len(o.token_ids) if o.request_id == "a" else 0
     assert sum(rows) == emitted + len(PROMPTS[2]) - 1
+
+
+@fp32_only
+def test_preempted_requests_score_each_token_once(make_engine, hf_target):
+    """A KV pool of 80 tokens for three 20-token prompts growing by 40: sequences are preempted
+    and prefilled again (output included); each prompt token is still scored once, each
+    output token has one entry, and the values are the independent forward's."""
+    block = 2 * 2 * 2 * 16 * 4 * 16     # tiny target's KV block in float32 (tests/engine/test_memory.py)
+    engine = make_engine(kv_budget_bytes=5 * block, adaptive_k=False, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=1)
+    prompts = [[5 + i, 9, 40 + i, 7] * 5 for i in range(3)]
+    outs, lps, prompt_lps = _run(engine, "speculative", params, k_max=3, prompts=prompts)
+    assert engine.scheduler.num_preemptions > 0
+    for i, p in enumerate(prompts):
+        out = outs[f"r{i}"]
+        assert len(out) == 40 and len(prompt_lps[f"r{i}"]) == len(p)
+        ref = _reference(hf_target, p, out)
+        _check_against(ref[:len(p) - 1], p[1:], prompt_lps[f"r{i}"][1:], 1)
+        _check_against(ref[len(p) - 1:], out, lps[f"r{i}"], 1)
