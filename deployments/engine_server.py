@@ -182,6 +182,19 @@ class EngineServer:
             raise TierError(400, "the prompt is empty", param="prompt")
         return ids
 
+    def _logprobs(self, req: GenerateRequest, prompt_ids: list[int], out, echo: bool):
+        """(this output's logprobs, the prompt's, the prompt's text) for the wire: the engine
+        hands the prompt's out once; its text goes on the first chunk, for echo."""
+        from engine.logprobs import wire_entries, wire_prompt
+
+        lp = wire_entries(self.tokenizer, out.logprobs) if out.logprobs is not None else None
+        prompt_lp = (wire_prompt(self.tokenizer, prompt_ids, out.prompt_logprobs)
+                     if out.prompt_logprobs is not None else None)
+        prompt_text = None
+        if echo:
+            prompt_text = req.prompt if req.prompt is not None else self.tokenizer.decode(prompt_ids)
+        return lp, prompt_lp, prompt_text
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         from engine.async_engine import merge_outputs
         from engine.sampling_params import Mode, RequestOptions, SamplingParams
@@ -195,7 +208,7 @@ class EngineServer:
             raise TierError(400, str(exc)) from None
         prompt_ids = self._prompt_token_ids(req)
         start = last = time.monotonic()
-        first, held = True, None
+        first, held, echo = True, None, req.echo
         try:
             async for out in self.engine.generate(req.request_id, prompt_ids, params, options):
                 now = time.monotonic()
@@ -212,7 +225,8 @@ class EngineServer:
                 if not first and not out.finished and len(out.token_ids) < self.tier.stream_interval:
                     held = out
                     continue
-                first = first and not out.token_ids
+                lp, prompt_lp, prompt_text = self._logprobs(req, prompt_ids, out, echo)
+                echo, first = False, first and not out.token_ids
                 yield GenerateChunk(text=out.text, token_ids=list(out.token_ids), finished=out.finished,
                                 finish_reason=_value(out.finish_reason),
                                 num_prompt_tokens=out.num_prompt_tokens,
@@ -225,7 +239,8 @@ class EngineServer:
                                 num_accepted_tokens=out.num_accepted_tokens,
                                 num_draft_trials=out.num_draft_trials,
                                 reason=out.reason,
-                                fingerprint=self.fingerprint)
+                                fingerprint=self.fingerprint, logprobs=lp,
+                                prompt_logprobs=prompt_lp, prompt_text=prompt_text)
         except prompt_too_long as exc:
             raise TierError(400, str(exc), code="context_length_exceeded",
                             param="messages" if req.messages is not None else "prompt") from None

@@ -38,8 +38,11 @@ from engine.sampling_params import RequestOptions, SamplingParams
 
 def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one: the deltas joined, the rest the later's."""
+    logprobs = (None if first.logprobs is None and then.logprobs is None
+                else (first.logprobs or []) + (then.logprobs or []))
     return replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
-                   reason=then.reason or first.reason)
+                   reason=then.reason or first.reason, logprobs=logprobs,
+                   prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
 
 
 class _Rejected:

@@ -319,6 +319,8 @@ class LLMEngine:
         if r.draft_error is not None:         # continue on the target alone, draft KV freed
             self.scheduler.drop_speculation(seq)
             seq.reason = DRAFT_UNAVAILABLE
+        if r.prompt_logprobs:
+            seq.prompt_logprobs += r.prompt_logprobs
         if not r.tokens:                      # a prefill chunk: KV written, nothing sampled
             seq.num_computed += it.num_feed
             return None
@@ -337,7 +339,8 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         else:
             self.scheduler.trim(seq)
-        return self._output(seq, new, final=reason is not None)
+        return self._output(seq, new, final=reason is not None,
+                            logprobs=r.logprobs[:len(new)] if r.logprobs is not None else None)
 
     def _append_until_stop(self, seq: Sequence, tokens: list[int]):
         p = seq.params
@@ -353,8 +356,12 @@ class LLMEngine:
                 return new, FinishReason.LENGTH
         return new, None
 
-    def _output(self, seq: Sequence, new: list[int], final: bool) -> RequestOutput:
+    def _output(self, seq: Sequence, new: list[int], final: bool,
+                logprobs: list | None = None) -> RequestOutput:
         detok = self.detok[seq.request_id]
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         text_ids = [t for t in new if t not in seq.params.stop_token_ids]
         if detok.add(text_ids) and not final:
             self.scheduler.finish(seq, FinishReason.STOP)
@@ -371,7 +378,8 @@ class LLMEngine:
                              num_draft_tokens=seq.num_draft_tokens,
                              num_accepted_tokens=seq.num_accepted,
                              num_draft_trials=seq.num_accepted + seq.num_rejections,
-                             reason=seq.reason)
+                             reason=seq.reason, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs)
 
     # ---- draft swap (between steps) ---------------------------------------------------------
     def load_draft(self, path: str):

@@ -11,6 +11,8 @@ from enum import Enum
 
 from models import GREEDY_BELOW  # temperatures below it are greedy
 
+MAX_TOP_LOGPROBS = 20    # alternatives per position a request may ask for (as OpenAI's chat)
+
 
 class Mode(str, Enum):
     SPECULATIVE = "speculative"   # draft proposes up to k_max tokens per step; target verifies
@@ -55,6 +57,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # (0, 2], on tokens of the prompt and the output; 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100])
     json_schema: str | None = None    # the output must match this JSON schema (engine/grammar.py)
+    # Log-probabilities (engine/logprobs.py): None = off; n = each output token's own and its n
+    # best alternatives. prompt_logprobs: the same for every prompt token (the first has none).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -79,6 +85,11 @@ class SamplingParams:
         low, high = SEED_RANGE
         if self.seed is not None and (not _is_int(self.seed) or not low <= self.seed <= high):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be null or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                 f"got {n!r}")
 
     def _check_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -58,6 +58,10 @@ class Sequence:
         self.num_rejections = 0               # drafting steps that ended in a rejection
         self.num_preemptions = 0
         self.num_speculative_output = 0       # output tokens emitted while in speculative mode
+        # Prompt log-probabilities, when asked: the first prompt token has none (None); filled
+        # as prefill chunks score the rest, and handed out with the first output.
+        self.prompt_logprobs: list | None = [None] if self.params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
 
     @property
     def num_output(self) -> int:

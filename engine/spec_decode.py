@@ -25,6 +25,7 @@ import torch
 from engine.attention import SeqSlice
 from engine.coupled_sampler import coupled_seed, couple_rows
 from engine.logits_processors import process
+from engine.logprobs import TokenLogprob, prompt_rows, row_logprobs
 from engine.model_runner import ModelRunner
 from engine.rejection_sampler import rejection_sample
 from engine.sampler import RowParams, greedy_tokens, probabilities, sample, uniforms
@@ -44,6 +45,8 @@ class StepResult:
     accepted: int            # draft tokens accepted (0 when k == 0)
     tokens: list[int]        # emitted tokens: accepted drafts + one recovered/bonus token
     draft_error: BaseException | None = None   # the draft failed this step (k was set to 0)
+    logprobs: list[TokenLogprob] | None = None         # one per emitted token, if asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens this chunk scored, if asked
 
 
 def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy: bool,
@@ -119,20 +122,28 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
             spec = []
 
     # Verify: one target forward over every scheduled sequence.
-    seqs, ids, pos, rows = [], [], [], []
+    seqs, ids, pos, rows, scored = [], [], [], [], {}
     for it in items:
         s = it.seq
         feed = s.token_ids[s.num_computed:s.num_computed + it.num_feed] + drafted.get(id(it), [])
         seqs.append(SeqSlice(s.blocks, s.num_computed, len(feed), it.prefill_align))
+        if s.prompt_logprobs is not None:   # (flat row, the prompt token it scores) this chunk
+            scored[id(it)] = [(len(ids) + p - s.num_computed, s.token_ids[p + 1]) for p in
+                              prompt_rows(len(s.prompt_logprobs), s.num_computed, it.num_feed,
+                                          s.num_prompt)]
         ids += feed
         pos += range(s.num_computed, s.num_computed + len(feed))
         if it.samples:
             rows += range(len(ids) - it.k - 1, len(ids))
-    if not sampling:
-        target.run(seqs, ids, pos, [0])
-        return [StepResult(it, 0, []) for it in items], StepTimes(draft_s)
+    num_rows = len(rows) if sampling else 1
+    extra = [r for pairs in scored.values() for r, _ in pairs]
     start = time.perf_counter()
-    logits = target.run(seqs, ids, pos, rows)                          # [sum(k+1), vocab]
+    logits = target.run(seqs, ids, pos, (rows if sampling else [0]) + extra)
+    prompt_lp = _prompt_logprobs(items, scored, logits[num_rows:])
+    if not sampling:
+        return [StepResult(it, 0, [], prompt_logprobs=prompt_lp.get(id(it)))
+                for it in items], StepTimes(draft_s)
+    logits = logits[:num_rows]                                         # [sum(k+1), vocab]
     if logits.is_cuda:         # timed to the end of the forward (the CPU runs it in the call)
         torch.cuda.synchronize(logits.device)
     times = StepTimes(draft_s, time.perf_counter() - start)
@@ -159,6 +170,40 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
     accepted, emitted = rejection_sample(draft_ids, ks, choice, rule_greedy,
                                          p, draft_q, u, rp.generators)
     failed = {id(it) for it in spec_items} if draft_error is not None else set()
-    results = {id(it): StepResult(it, a, t, draft_error if id(it) in failed else None)
+    token_lp = _emitted_logprobs(sampling, ks, emitted, logits)
+    results = {id(it): StepResult(it, a, t, draft_error if id(it) in failed else None,
+                                  token_lp.get(id(it)), prompt_lp.get(id(it)))
                for it, a, t in zip(sampling, accepted, emitted)}
-    return [results.get(id(it), StepResult(it, 0, [])) for it in items], times
+    return [results.get(id(it), StepResult(it, 0, [], prompt_logprobs=prompt_lp.get(id(it))))
+            for it in items], times
+
+
+def _emitted_logprobs(sampling: list[ScheduledSeq], ks: list[int], emitted: list[list[int]],
+                      logits: torch.Tensor) -> dict:
+    """{id(item): [TokenLogprob] per emitted token} for the items that asked. Item i's rows
+    in `logits` [sum(k+1), vocab] start at sum(k_j + 1, j < i); its j-th emitted token (an
+    accepted draft, or the recovered / bonus token) is chosen at its row j, so the verify
+    forward already holds every value: no extra forward, and only the asking rows are scored."""
+    starts = [0]
+    for k in ks:
+        starts.append(starts[-1] + k + 1)
+    asking = [(i, it) for i, it in enumerate(sampling) if it.seq.params.logprobs is not None]
+    if not asking:
+        return {}
+    flat = [starts[i] + j for i, _ in asking for j in range(len(emitted[i]))]
+    tokens = [t for i, _ in asking for t in emitted[i]]
+    tops = [it.seq.params.logprobs for i, it in asking for _ in emitted[i]]
+    scored = iter(row_logprobs(logits[torch.tensor(flat, dtype=torch.long, device=logits.device)],
+                               tokens, tops))
+    return {id(it): [next(scored) for _ in emitted[i]] for i, it in asking}
+
+
+def _prompt_logprobs(items: list[ScheduledSeq], scored: dict, logits: torch.Tensor) -> dict:
+    """{id(item): [TokenLogprob] per prompt token scored} from the prefill rows of the items
+    that asked (logits [sum of their rows, vocab], in `scored`'s order)."""
+    if not scored:
+        return {}
+    tops = [it.seq.params.prompt_logprobs for it in items if id(it) in scored
+            for _ in scored[id(it)]]
+    lps = iter(row_logprobs(logits, [t for pairs in scored.values() for _, t in pairs], tops))
+    return {key: [next(lps) for _ in rs] for key, rs in scored.items()}

@@ -39,6 +39,7 @@ from router.config import AppConfig
 from router.http_app import app, chain, endpoint_plan, routes
 from router.lifecycle import IngressMetrics, RequestLife
 from router.live_stats import LiveStats
+from router.logprobs import ChoiceLogprobs, chunk_logprobs, merge
 from router.observer import Observer
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
                                   RunningUsage, chat_body, chat_chunk, completion_body, completion_chunk,
@@ -189,21 +190,24 @@ class Ingress:
                 mode="speculative" if life.tier == "speculative" else "baseline",
                 messages=messages if chat else None,
                 prompt=body.prompt if not chat and isinstance(body.prompt, str) else None,
-                prompt_token_ids=body.prompt if not chat and isinstance(body.prompt, list) else None)
+                prompt_token_ids=body.prompt if not chat and isinstance(body.prompt, list) else None,
+                echo=bool(getattr(body, "echo", False)))
             first, life.stream = await self._start(gen_req)
             life.last = first
             headers = {"x-specserve-tier": life.tier, "x-specserve-reason": reason,
                        **life.charge.headers}
             if body.stream:
                 running = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-                events = self._sse(life, first, chat, body.model, body.return_token_ids, running)
+                events = self._sse(life, first, chat, body, running)
                 return life.hand_off(StreamingResponse(events, media_type="text/event-stream",
                                                        headers=headers))
-            parts, token_ids = [], []
+            view = ChoiceLogprobs(chat) if body.logprob_count() is not None else None
+            parts, token_ids, logprobs = [], [], view.part([]) if view else None
             try:
                 async for chunk in chain(first, life.stream):
-                    parts.append(chunk.text)
+                    parts.append((chunk.prompt_text or "") + chunk.text)
                     token_ids += chunk.token_ids
+                    logprobs = merge(logprobs, chunk_logprobs(view, chunk))
                     life.last = chunk
             except Exception as exc:
                 raise self._failure(exc, life.tier, request_id) from None
@@ -214,18 +218,23 @@ class Ingress:
             fingerprint = system_fingerprint(self.cfg.model_name, last.fingerprint)
             return JSONResponse(make(request_id, body.model, "".join(parts), last.finish_reason,
                                      usage, token_ids if body.return_token_ids else None,
-                                     fingerprint), headers=headers)
+                                     fingerprint, logprobs), headers=headers)
         return life.response            # the request ended in an error (`RequestLife`)
 
-    async def _sse(self, life: RequestLife, first, chat, model, return_ids, running_usage=False):
+    async def _sse(self, life: RequestLife, first, chat, body, running_usage=False):
         """The response's SSE events; `life` ends the request when the stream ends."""
+        model, return_ids = body.model, body.return_token_ids
+        view = ChoiceLogprobs(chat) if body.logprob_count() is not None else None
         async with life:
             try:
                 is_first, completion_tokens = True, 0
                 async for chunk in chain(first, life.stream):
                     life.last = chunk
                     completion_tokens += len(chunk.token_ids)
-                    if not (chunk.text or chunk.finished or is_first or (return_ids and chunk.token_ids)):
+                    logprobs = chunk_logprobs(view, chunk)
+                    text = (chunk.prompt_text or "") + chunk.text
+                    if not (text or chunk.finished or is_first or (return_ids and chunk.token_ids)
+                            or (logprobs and chunk.logprobs)):
                         continue        # nothing to say yet (the detokenizer holds bytes back)
                     usage = await life.finish(chunk) if chunk.finished else None
                     if usage is None and running_usage:
@@ -233,12 +242,12 @@ class Ingress:
                     ids = chunk.token_ids if return_ids else None
                     fingerprint = system_fingerprint(self.cfg.model_name, chunk.fingerprint)
                     if chat:
-                        data = chat_chunk(life.request_id, model, chunk.text, chunk.finish_reason,
+                        data = chat_chunk(life.request_id, model, text, chunk.finish_reason,
                                           usage, first=is_first, token_ids=ids,
-                                          fingerprint=fingerprint)
+                                          fingerprint=fingerprint, logprobs=logprobs)
                     else:
-                        data = completion_chunk(life.request_id, model, chunk.text,
-                                                chunk.finish_reason, usage, ids, fingerprint)
+                        data = completion_chunk(life.request_id, model, text, chunk.finish_reason,
+                                                usage, ids, fingerprint, logprobs)
                     is_first = False
                     yield f"data: {json.dumps(data)}\n\n"
                     if chunk.finished:

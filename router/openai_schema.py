@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -36,6 +36,8 @@ MAX_USER_CHARS = 256
 MAX_LOGIT_BIAS = 300              # entries, as OpenAI
 MAX_SCHEMA_CHARS = 1 << 16        # a response_format schema, as compact JSON text
 JSON_OBJECT_SCHEMA = '{"type": "object"}'   # response_format json_object: any JSON object
+MAX_TOP_LOGPROBS = 20             # chat's top_logprobs, as OpenAI
+MAX_COMPLETION_LOGPROBS = 5       # completions' logprobs, as OpenAI
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -45,9 +47,8 @@ StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 # only at the value that means "off" (clients such as LangChain send those), refused otherwise
 # with a 400 that names the field. Every other unknown field is refused as unrecognized.
 UNSUPPORTED_UNLESS_OFF = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False, 0),
-    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "parallel_tool_calls": (False,),
+    "n": (1,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
 }
 
 
@@ -136,17 +137,20 @@ class _Request(BaseModel):
     speculation: Literal["auto", "on", "off"] = "auto"
     allow_downgrade: bool = False
     return_token_ids: bool = False
+    # the other API's log-probability fields: accepted here only when off (as above)
+    unsupported_here: ClassVar[dict] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, off in UNSUPPORTED_UNLESS_OFF.items():
+            unsupported = UNSUPPORTED_UNLESS_OFF | cls.unsupported_here
+            for name, off in unsupported.items():
                 if name in data and not _is_off(data[name], off):
                     raise PydanticCustomError(
                         "unsupported", "{name} is not supported by this server (only "
                         "{off} or null is accepted)", {"name": name, "off": json.dumps(off[0])})
-            return {k: v for k, v in data.items() if k not in UNSUPPORTED_UNLESS_OFF}
+            return {k: v for k, v in data.items() if k not in unsupported}
         return data
 
     @field_validator("stop")
@@ -168,10 +172,29 @@ class _Request(BaseModel):
                 "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty,
                 "logit_bias": dict(self.logit_bias or {}),
-                "json_schema": self.response_format.schema_text() if self.response_format else None}
+                "json_schema": self.response_format.schema_text() if self.response_format else None,
+                "logprobs": self.logprob_count(), "prompt_logprobs": self.prompt_logprob_count()}
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per output token (None: no log-probabilities)."""
+        return None
+
+    def prompt_logprob_count(self) -> int | None:
+        """Alternatives per prompt token (None: the prompt is not scored)."""
+        return None
 
 
 class CompletionRequest(_Request):
+    unsupported_here: ClassVar[dict] = {"top_logprobs": (0,)}
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = False   # the prompt comes back in front of the text (and scored, with logprobs)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     # One prompt: a string or token ids ([["..."]] and [[ids]] of length 1 are unwrapped).
     prompt: (str | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
              | Annotated[list[str], Field(min_length=1, max_length=1)]
@@ -206,8 +229,21 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
+    unsupported_here: ClassVar[dict] = {"echo": (False,)}
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_HARD)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return value
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -256,8 +292,8 @@ def system_fingerprint(model_name: str, replica_fingerprint: str | None) -> str 
 
 def completion_body(request_id: str, model: str, text: str, finish_reason: str | None,
                     usage: Usage | None, token_ids: list[int] | None = None,
-                    fingerprint: str | None = None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                    fingerprint: str | None = None, logprobs: dict | None = None) -> dict:
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
                               "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -270,9 +306,9 @@ def completion_body(request_id: str, model: str, text: str, finish_reason: str |
 
 def chat_body(request_id: str, model: str, text: str, finish_reason: str | None,
               usage: Usage | None, token_ids: list[int] | None = None,
-              fingerprint: str | None = None) -> dict:
+              fingerprint: str | None = None, logprobs: dict | None = None) -> dict:
     choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "logprobs": None, "finish_reason": finish_reason}
+                              "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
@@ -284,13 +320,14 @@ def chat_body(request_id: str, model: str, text: str, finish_reason: str | None,
 
 def chat_chunk(request_id: str, model: str, text: str | None, finish_reason: str | None,
                usage: Usage | None = None, first: bool = False,
-               token_ids: list[int] | None = None, fingerprint: str | None = None) -> dict:
+               token_ids: list[int] | None = None, fingerprint: str | None = None,
+               logprobs: dict | None = None) -> dict:
     delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
     if text:
         delta["content"] = text
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
                               "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -303,8 +340,9 @@ def chat_chunk(request_id: str, model: str, text: str | None, finish_reason: str
 
 def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None,
                      usage: Usage | None = None, token_ids: list[int] | None = None,
-                     fingerprint: str | None = None) -> dict:
-    body = completion_body(request_id, model, text, finish_reason, usage, token_ids, fingerprint)
+                     fingerprint: str | None = None, logprobs: dict | None = None) -> dict:
+    body = completion_body(request_id, model, text, finish_reason, usage, token_ids, fingerprint,
+                           logprobs)
     return body
 
 

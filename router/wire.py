@@ -22,6 +22,7 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None  # ... or token ids
     messages: list[dict] | None = None        # chat: [{"role", "content"}]
     priority: int = 0
+    echo: bool = False                        # completions: the prompt's text comes back first
 
 
 @dataclass
@@ -42,6 +43,11 @@ class GenerateChunk:
     num_draft_trials: int = 0                # draft tokens tried: accepted + rejections
     reason: str | None = None                # set when the engine changed the mode (draft_unavailable)
     fingerprint: str | None = None           # the replica's weights, numerics and sampler
+    # Log-probabilities, when asked (router/logprobs.py has the entry's shape): one per token of
+    # this chunk; the prompt's, and its text for echo, on the first chunk only.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    prompt_text: str | None = None
 
 
 class TierError(Exception):

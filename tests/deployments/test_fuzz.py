@@ -27,7 +27,7 @@ WRONG = [True, False, "yes", "16", 5.5, -1, 0, None, [], {}, [1, "a"], {"a": 1},
          -2 ** 70, 1e308, "x" * 300, "\u0000"]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "stop", "seed", "stream", "n", "echo", "logit_bias",
-          "presence_penalty", "frequency_penalty", "logprobs", "best_of", "suffix",
+          "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "best_of", "suffix",
           "speculation", "allow_downgrade", "return_token_ids", "ignore_eos", "user",
           "stream_options", "tools", "response_format", "unknown_field"]
 OUT_OF_RANGE = {"temperature": [2.5, -0.5, 1e9], "top_p": [0, 1.01, -1], "top_k": [-1, 2 ** 63,
@@ -35,7 +35,8 @@ OUT_OF_RANGE = {"temperature": [2.5, -0.5, 1e9], "top_p": [0, 1.01, -1], "top_k"
                 "max_completion_tokens": [0, 2 ** 40], "n": [2, 0, 100], "seed": [-1, 2 ** 64],
                 "presence_penalty": [5, -3, 2.01], "frequency_penalty": [2.5, -2.01],
                 "stop": [["a"] * 5, ["x" * 1000], ["\n"] * 10_000, [""]], "best_of": [4],
-                "logprobs": [5, True], "echo": [True], "logit_bias": [{"1": 101}, {"x": 1}]}
+                "logprobs": [6, -1], "top_logprobs": [21, -1], "echo": ["yes", 1],
+                "logit_bias": [{"1": 101}, {"x": 1}]}
 TEXTS = ["\u0000", "a\u0000b", "\u202e\u05e9\u05dc\u05d5\u05dd \u0627\u0644\u0633\u0644\u0627\u0645",
          "\U0001F600\U0001F469\u200d\U0001F4BB", "\ufeff\ufffd", "e\u0301\u0301\u0301", " ",
          "\t\n\r", "def add(a, b):", "x" * 3000]
@@ -201,7 +202,11 @@ def test_named_defects_each_answer_400(app):
         ({**base, "stop": ["s"] * 10_000}, "stop"),
         ({**base, "presence_penalty": 5}, "presence_penalty"),
         ({**base, "logit_bias": {"1": 500}}, "logit_bias"),
-        ({**base, "echo": True}, "echo"),
+        ({**base, "echo": "yes"}, "echo"),
+        ({**base, "logprobs": 6}, "logprobs"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+          "top_logprobs": 21}, "top_logprobs"),
         ({**base, "prompt": [5.5]}, "prompt"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
           "max_completion_tokens": 2 ** 40}, "max_completion_tokens"),

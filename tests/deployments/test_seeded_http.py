@@ -86,3 +86,109 @@ def test_system_fingerprint_in_chat_and_streams(app):
     economy = _client(app, "economy").completions.create(prompt="x = ", **body)
     assert economy.system_fingerprint.startswith("fp_")
     assert economy.system_fingerprint != chat.system_fingerprint
+
+
+# -- log-probabilities (docs/decisions/0025-logprobs.md) ------------------------------------
+LOGPROB_TIERS = {"premium": "speculative", "standard": "baseline", "economy": "small"}
+
+
+def _chat_logprobs(app, plan, stream=False):
+    """(entries, token ids or None, text). A long stop string holds the text back, so most
+    stream chunks carry tokens (and their logprobs) without text."""
+    client = _client(app, plan)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}],
+              max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3,
+              stop=["#" * 200], extra_body={"ignore_eos": True, "return_token_ids": not stream})
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].logprobs.content, r.choices[0].token_ids, r.choices[0].message.content
+    entries, text = [], ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.choices:
+            choice = chunk.choices[0]
+            entries += choice.logprobs.content if choice.logprobs else []
+            text += choice.delta.content or ""
+    return entries, None, text
+
+
+def test_chat_logprobs_on_every_tier_streamed_and_not(app):
+    """Greedy chat: one entry per output token with 3 alternatives best first, the chosen one
+    the best; the stream carries the same entries as the body; speculative and baseline report
+    the same values (one target); the small tier its own model's."""
+    got = {}
+    for plan in LOGPROB_TIERS:
+        body, ids, text = _chat_logprobs(app, plan)
+        streamed, _, streamed_text = _chat_logprobs(app, plan, stream=True)
+        assert len(body) == len(ids) == len(streamed) == MAX_TOKENS and streamed_text == text
+        for e, s in zip(body, streamed):
+            assert (e.token, e.bytes) == (s.token, s.bytes)
+            assert e.logprob == pytest.approx(s.logprob, abs=1e-5)
+            assert e.bytes == list(e.token.encode("utf-8")) and e.logprob <= 0
+            assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+            values = [t.logprob for t in e.top_logprobs]
+            assert values == sorted(values, reverse=True) and values[0] == e.logprob
+        got[plan] = [e.logprob for e in body]
+    assert got["premium"] == pytest.approx(got["standard"], abs=1e-4)
+    assert got["economy"] != pytest.approx(got["standard"], abs=1e-4)
+
+
+def _reference_logprobs(path, ids):
+    """log_softmax of one transformers forward: row i scores ids[i + 1]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_echo_scores_multiple_choice_like_an_eval_harness(app, tiny_family):
+    """lm-eval-harness's loglikelihood: send context + continuation with echo, logprobs 1 and
+    max_tokens 1; the continuation's summed token logprobs equal an independent forward's,
+    on the speculative and the baseline tier, and rank the choices alike."""
+    context = [5, 9, 13, 17, 21, 25, 29]
+    choices = [[33, 37], [40, 2, 7], [11]]
+    for plan in ("premium", "standard"):
+        client = _client(app, plan)
+        sums, want = [], []
+        for cont in choices:
+            ids = context + cont
+            r = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=1,
+                                          max_tokens=1, temperature=0)
+            lp = r.choices[0].logprobs
+            assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+            assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+            assert r.choices[0].text.startswith("".join(lp.tokens[:len(ids)]))
+            assert lp.text_offset == sorted(lp.text_offset)
+            assert all(len(top) in (1, 2) and tok in top
+                       for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
+            sums.append(sum(lp.token_logprobs[len(context):len(ids)]))
+            ref = _reference_logprobs(tiny_family["target"], ids)
+            assert lp.token_logprobs[1:len(ids)] == pytest.approx(ref.tolist(), abs=1e-3)
+            want.append(float(ref[len(context) - 1:].sum()))
+        assert sums == pytest.approx(want, abs=2e-3)
+        assert max(range(3), key=sums.__getitem__) == max(range(3), key=want.__getitem__)
+
+
+def test_completion_stream_echoes_the_prompt_first(app):
+    import httpx
+
+    from serving_helpers import sse_events
+
+    body = {"model": MODEL, "prompt": "def add(a, b):", "echo": True, "logprobs": 2,
+            "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=120) as http:
+        r = http.post(app.url + "/premium/v1/completions", json=body,
+                      headers={"authorization": f"Bearer {app.keys['premium']}"})
+    assert r.status_code == 200, r.text
+    chunks = [e for e in sse_events(r) if e != "[DONE]"]
+    assert chunks[0]["choices"][0]["text"].startswith("def add(a, b):")
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    tokens = [t for lp in lps for t in lp["tokens"]]
+    values = [v for lp in lps for v in lp["token_logprobs"]]
+    offsets = [o for lp in lps for o in lp["text_offset"]]
+    assert values[0] is None and all(v <= 0 for v in values[1:])
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert len(tokens) == chunks[-1]["usage"]["prompt_tokens"] + 4

@@ -60,13 +60,47 @@ def test_token_ids_are_ints_in_range():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("echo", True), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-    ("n", 2), ("best_of", 3), ("logprobs", 2), ("logprobs", True), ("suffix", "end"),
-    ("n", True),
+    ("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("top_logprobs", 2),
+    ("n", 2), ("best_of", 3), ("suffix", "end"), ("n", True),
 ])
 def test_unsupported_fields_are_refused_by_name(field, value):
     err = refused(CompletionRequest, {**OK, field: value})
     assert err.code == "unsupported_parameter" and err.param == field and field in err.message
+
+
+def test_chat_refuses_echo_by_name():
+    err = refused(ChatCompletionRequest, {**CHAT, "echo": True})
+    assert err.code == "unsupported_parameter" and err.param == "echo"
+    assert validate_request(ChatCompletionRequest, {**CHAT, "echo": False}).model == "m"
+
+
+@pytest.mark.parametrize("api,field,value", [
+    ("chat", "top_logprobs", 21), ("chat", "top_logprobs", -1), ("chat", "top_logprobs", 1.5),
+    ("chat", "logprobs", 1), ("chat", "logprobs", "true"), ("chat", "top_logprobs", 3),
+    ("completions", "logprobs", 6), ("completions", "logprobs", -1),
+    ("completions", "logprobs", True), ("completions", "logprobs", 2.0),
+    ("completions", "echo", 1), ("completions", "echo", "yes"),
+])
+def test_logprob_fields_out_of_range_are_refused_by_name(api, field, value):
+    """top_logprobs 3 alone: it needs logprobs true (as OpenAI)."""
+    cls, base = (ChatCompletionRequest, CHAT) if api == "chat" else (CompletionRequest, OK)
+    err = refused(cls, {**base, field: value})
+    assert err.status == 400 and err.param == field and err.code == "invalid_value"
+
+
+def test_logprob_fields_become_engine_counts():
+    chat = validate_request(ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": 20})
+    assert chat.sampling_kwargs(16)["logprobs"] == 20
+    chat = validate_request(ChatCompletionRequest, {**CHAT, "logprobs": True})
+    assert chat.sampling_kwargs(16)["logprobs"] == 0
+    off = validate_request(ChatCompletionRequest, {**CHAT, "logprobs": None, "top_logprobs": 0})
+    assert off.sampling_kwargs(16)["logprobs"] is None
+    echo = validate_request(CompletionRequest, {**OK, "logprobs": 2, "echo": True}).sampling_kwargs(16)
+    assert (echo["logprobs"], echo["prompt_logprobs"]) == (2, 2)
+    plain = validate_request(CompletionRequest, {**OK, "logprobs": 0}).sampling_kwargs(16)
+    assert (plain["logprobs"], plain["prompt_logprobs"]) == (0, None)
+    text_only = validate_request(CompletionRequest, {**OK, "echo": True}).sampling_kwargs(16)
+    assert (text_only["logprobs"], text_only["prompt_logprobs"]) == (None, None)
 
 
 def test_unsupported_fields_at_their_off_value_are_accepted():
