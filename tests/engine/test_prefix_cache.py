@@ -58,7 +58,7 @@ def test_greedy_output_is_the_same_with_the_cache(make_engine, mode):
     the rule gives (whole `prefix_unit`s, never the last prompt token)."""
     prompts = [BASE, BASE[:64] + [7] * 20, BASE[:150] + [9, 8, 7], BASE, BASE[:128],
                BASE[:100], [3] + BASE[1:180]]
-    kw = dict(max_num_batched_tokens=64, adaptive_k=False)
+    kw = dict(max_num_batched_tokens=256, adaptive_k=False)    # prefill_align 64: 4 blocks
     off = _run_one_at_a_time(make_engine(enable_prefix_caching=False, **kw), prompts, mode)
     engine = make_engine(**kw)
     on = _run_one_at_a_time(engine, prompts, mode)
@@ -164,3 +164,19 @@ def test_finish_abort_and_preemption_release_every_hold(make_engine):
     assert engine.stats().prefix_cache_hits > 0
     assert engine.pool.refs == [0] * engine.pool.num_blocks
     assert engine.pool.used_by == {"target": 0, "draft": 0}
+
+
+def test_a_speculative_request_reuses_only_blocks_with_draft_kv(make_engine):
+    """After a baseline request (target KV only) a speculative one with the same prompt finds
+    no usable prefix; after a speculative one (both models' KV) it does; a baseline request
+    reuses the target's blocks whoever computed them."""
+    engine = make_engine(max_num_batched_tokens=64, adaptive_k=False)
+    unit = engine.scheduler.prefix_unit
+    hits = []
+    for mode in ["baseline", "speculative", "speculative", "baseline"]:
+        before = engine.stats().prefix_cache_hits
+        engine.add_request(f"r{len(hits)}", BASE, _params(), RequestOptions(mode=mode, k_max=3))
+        run_all(engine)
+        hits.append(engine.stats().prefix_cache_hits - before)
+    whole = (len(BASE) - 1) // unit * unit
+    assert hits == [0, 0, whole, whole]
