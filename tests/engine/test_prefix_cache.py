@@ -57,7 +57,7 @@ def test_greedy_output_is_the_same_with_the_cache(make_engine, mode):
     that is a prefix of another: token for token the output without the cache, with the hits
     the rule gives (whole `prefix_unit`s, never the last prompt token)."""
     prompts = [BASE, BASE[:64] + [7] * 20, BASE[:150] + [9, 8, 7], BASE, BASE[:128],
-               BASE[:100], [3] + BASE[1:180]]
+               BASE[:100] + [5] * 60, [3] + BASE[1:180]]
     kw = dict(max_num_batched_tokens=256, adaptive_k=False)    # prefill_align 64: 4 blocks
     off = _run_one_at_a_time(make_engine(enable_prefix_caching=False, **kw), prompts, mode)
     engine = make_engine(**kw)
@@ -180,3 +180,21 @@ def test_a_speculative_request_reuses_only_blocks_with_draft_kv(make_engine):
         hits.append(engine.stats().prefix_cache_hits - before)
     whole = (len(BASE) - 1) // unit * unit
     assert hits == [0, 0, whole, whole]
+
+
+def test_a_running_prompt_is_shared_and_decoded_blocks_are_not(make_engine):
+    """A request arriving while another with its prompt decodes reuses that prompt's blocks at
+    once; blocks a decode computed (other bits than a prefill's) are never reused, so a prompt
+    that resends an answer hits only the earlier prompt's part."""
+    engine = make_engine(draft=False, max_num_batched_tokens=256)
+    unit = engine.scheduler.prefix_unit
+    engine.add_request("a", BASE, _params(60))
+    first = engine.step()[0].token_ids                  # a's whole prompt in one chunk
+    engine.add_request("b", BASE[:150] + [4] * 30, _params())
+    first += [t for o in engine.step() if o.request_id == "a" for t in o.token_ids]
+    assert engine.stats().prefix_cache_hits == 128
+    outs, _ = run_all(engine)
+    before = engine.stats().prefix_cache_hits
+    engine.add_request("c", BASE + first + outs["a"] + [6] * 10, _params())
+    run_all(engine)
+    assert engine.stats().prefix_cache_hits - before == len(BASE) // unit * unit
