@@ -21,8 +21,8 @@ from engine.sampling_params import RequestOptions, SamplingParams
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--family", default="/work/shared/models/reference-py",
-                        help="a model family folder with target/ and draft/")
+    parser.add_argument("--family", required=True,
+                        help="a model family folder with target/ and draft/ (e.g. reference-py)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=400)
