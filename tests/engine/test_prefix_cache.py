@@ -161,6 +161,7 @@ def test_finish_abort_and_preemption_release_every_hold(make_engine):
         step += 1
         assert step < 3000
     assert engine.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+    assert engine.scheduler.num_spec_downgrades > 0, "and to drop speculation"
     assert engine.stats().prefix_cache_hits > 0
     assert engine.pool.refs == [0] * engine.pool.num_blocks
     assert engine.pool.used_by == {"target": 0, "draft": 0}
@@ -198,3 +199,23 @@ def test_a_running_prompt_is_shared_and_decoded_blocks_are_not(make_engine):
     engine.add_request("c", BASE + first + outs["a"] + [6] * 10, _params())
     run_all(engine)
     assert engine.stats().prefix_cache_hits - before == len(BASE) // unit * unit
+
+
+def test_holding_unheld_cached_blocks_counts_against_admission(make_engine):
+    """A request whose cached prefix nobody holds takes those blocks out of the free count when
+    it holds them: it is admitted only where its prefix and its new blocks fit together, else
+    it waits (here for a running request to finish) instead of overdrawing the pool."""
+    engine = make_engine(draft=False, max_num_batched_tokens=256, kv_budget_bytes=16 * BLOCK)
+    pool = engine.pool
+    engine.add_request("p", BASE[:160], _params(2))
+    run_all(engine)                                   # 10 keyed blocks kept, 6 empty
+    engine.add_request("r", [4] * 50, _params(12))    # holds 4 of the empty blocks
+    engine.step()
+    assert (pool.num_empty, pool.cache.num_evictable) == (2, 10)
+    engine.add_request("q", BASE[:128] + [6] * 75, _params(4))   # 8 cached + 5 new blocks
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["q"]
+    _check_holds(engine)
+    outs, _ = run_all(engine)
+    assert len(outs["q"]) == 4 and engine.scheduler.num_preemptions == 0
+    assert engine.stats().prefix_cache_hits == 128
