@@ -19,6 +19,7 @@ the engine counts (`engine/metrics.py`) nor the ingress's request and tier-decis
 | specserve_kv_cache_used_bytes | gauge | tier_kind, model (target, draft) |
 | specserve_kv_cache_budget_bytes | gauge | tier_kind |
 | specserve_num_preemptions, specserve_num_spec_downgrades | counter | tier_kind |
+| specserve_prefix_cache_queries, specserve_prefix_cache_hits | counter | tier_kind |
 | specserve_time_to_first_token_seconds | histogram | tier |
 | specserve_inter_token_latency_seconds | histogram | tier |
 """
@@ -44,6 +45,14 @@ _COUNTERS = {   # MetricsSnapshot field -> (metric name, description)
 }
 
 
+_STATS_COUNTERS = {   # EngineStats field (cumulative) -> (metric name, description), as vLLM's
+    "prefix_cache_queries": ("specserve_prefix_cache_queries",
+                             "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("specserve_prefix_cache_hits",
+                          "Prompt tokens found in the prefix cache (their prefill skipped)."),
+}
+
+
 class ReplicaMetrics:
     """Serve metrics of one tier replica; call `export(engine)` every second or so."""
 
@@ -60,6 +69,8 @@ class ReplicaMetrics:
         tags = ("tier_kind",)
         self._counters = {field: metrics.Counter(name, description=desc, tag_keys=tags)
                           for field, (name, desc) in _COUNTERS.items()}
+        self._stats_counters = {field: metrics.Counter(name, description=desc, tag_keys=tags)
+                                for field, (name, desc) in _STATS_COUNTERS.items()}
         self._per_pos = metrics.Counter(
             "specserve_spec_decode_num_accepted_tokens_per_pos",
             description="Accepted draft tokens by position in the draft (0 = first).",
@@ -96,12 +107,13 @@ class ReplicaMetrics:
             return
         tags = {"tier_kind": self.tier_kind}
         now = time.monotonic()
-        for field, counter in self._counters.items():
-            value = int(getattr(snapshot, field, 0) or 0)
-            delta = value - self._last.get(field, 0)
-            if delta > 0:
-                counter.inc(delta, tags=tags)
-            self._last[field] = value
+        for source, counters in ((snapshot, self._counters), (stats, self._stats_counters)):
+            for field, counter in counters.items():
+                value = int(getattr(source, field, 0) or 0)
+                delta = value - self._last.get(field, 0)
+                if delta > 0:
+                    counter.inc(delta, tags=tags)
+                self._last[field] = value
         per_pos = list(getattr(snapshot, "num_accepted_tokens_per_pos", []) or [])
         for pos, value in enumerate(per_pos):
             delta = value - (self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0)

@@ -49,6 +49,9 @@ class EngineConfig:
                                          # while the step's decodes leave less than one piece).
                                          # 64 costs prefill ~1% over one call a chunk:
                                          # docs/decisions/0007-prefill-alignment.md
+    enable_prefix_caching: bool = True   # reuse the KV of cached prompt prefixes (target and
+                                         # draft), skipping their prefill; output unchanged
+                                         # (docs/decisions/0028-prefix-caching.md)
     num_threads: int | None = None       # torch threads; None: min(2, free cores)
     tp_size: int = 1
     profile: bool = True                 # measure the step-cost model at start (cached)

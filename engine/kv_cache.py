@@ -7,6 +7,12 @@ holds as many draft tokens as fit (a draft token is cheaper). So a speculative s
 for both models out of one budget, and memory freed by one model is reused by the other at once.
 Does not own: which sequence gets blocks (the scheduler) nor attention (`engine/attention.py`).
 
+Blocks are refcounted: a block of a cached prompt prefix may be held by several sequences at
+once and is counted once in the budget. A block whose last holder lets go stays cached if it
+carries a prefix key (`engine/prefix_cache.py`): it is counted free (`num_free`), sits in an LRU
+list, and keeps its KV until `allocate` needs it, oldest first. A block that any sequence holds is
+never handed out again.
+
 Layout: plane-major. `pool` is `[planes, num_blocks, plane_elems]`: block b is the slice
 `pool[:, b]`, one run of `plane_elems` in each plane. A plane holds one (layer, key or value) of
 the target (or a share of one, see `chunks`), so one layer's keys for ALL blocks are one
@@ -39,6 +45,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from engine.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -118,11 +126,13 @@ class BlockPool:
                                 device=device)
         if resident:
             self.pool.zero_()
-        self._free = bytearray(b"\x01") * self.num_blocks     # 1 = free
+        self._free = bytearray(b"\x01") * self.num_blocks     # 1 = free and holds nothing kept
+        self.refs = [0] * self.num_blocks                       # sequences holding each block
+        self.cache = PrefixCache()                              # kept blocks: key map and LRU
         # blocks handed out since `take_zeroed` last ran (None: nobody asks): the other ranks of
         # a tensor-parallel group zero the same blocks of their own pools before the next forward
         self._zeroed: list[int] | None = None
-        self.num_free = self.num_blocks
+        self.num_empty = self.num_blocks                        # blocks with _free set
         self.used_by = {"target": 0, "draft": 0}
 
     def layers(self, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -150,6 +160,9 @@ class BlockPool:
             raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free")
         if n == 0:
             return []
+        for b in self.cache.evict(n - self.num_empty):
+            self._free[b] = 1
+            self.num_empty += 1
         start = None
         if after is not None and self._free[after + 1:after + 1 + n] == b"\x01" * n:
             start = after + 1
@@ -161,6 +174,7 @@ class BlockPool:
             blocks = self._scattered(n, 0 if after is None else after + 1)
         for b in blocks:
             self._free[b] = 0
+            self.refs[b] = 1
         # Handed out zeroed: attention reads whole blocks (the block gather for SDPA and the fused
         # kernel alike), so slots past a sequence's end are read under a zero weight, and 0 * v
         # must be 0, which uninitialised memory or a stale NaN would break (and leak across
@@ -171,9 +185,14 @@ class BlockPool:
             self.pool.index_fill_(1, torch.tensor(blocks, device=self.pool.device), 0)
         if self._zeroed is not None:
             self._zeroed.extend(blocks)
-        self.num_free -= n
+        self.num_empty -= n
         self.used_by[owner] += n
         return blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks `allocate` can hand out: empty ones and kept ones no sequence holds."""
+        return self.num_empty + self.cache.num_evictable
 
     def _runs(self):
         """(start, length) of every free run."""
@@ -218,10 +237,30 @@ class BlockPool:
             self.pool.index_fill_(1, torch.tensor(blocks, device=self.pool.device), 0)
 
     def free(self, blocks: list[int], owner: str) -> None:
+        """Let go of blocks. A block nobody holds any more becomes free; one with a prefix key
+        is kept (its KV intact) until allocation evicts it. Pass a sequence's blocks last to
+        first, so that a prefix's tail is evicted before its head."""
         for b in blocks:
-            self._free[b] = 1
-        self.num_free += len(blocks)
-        self.used_by[owner] -= len(blocks)
+            self.refs[b] -= 1
+            if self.refs[b]:
+                continue
+            self.used_by[owner] -= 1
+            if not self.cache.release(b):
+                self._free[b] = 1
+                self.num_empty += 1
+
+    def share(self, blocks: list[int], owner: str) -> None:
+        """Hold blocks another sequence computed (a cached prefix from `PrefixCache.lookup`)."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                self.cache.hold(b)
+                self.used_by[owner] += 1
+            self.refs[b] += 1
+
+    def num_unheld(self, blocks: list[int]) -> int:
+        """How many of these blocks no sequence holds (sharing them takes them out of
+        `num_free`)."""
+        return sum(self.refs[b] == 0 for b in blocks)
 
     def bytes_used(self, owner: str) -> int:
         return self.used_by[owner] * self.block_bytes

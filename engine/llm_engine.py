@@ -89,7 +89,8 @@ class LLMEngine:
         self.cost = CalibratedCost(self._cost_model(), draft_excess=True)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  prefill_mode=config.prefill_mode,
-                                 prefill_align=config.prefill_align)
+                                 prefill_align=config.prefill_align,
+                                 prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance)
         self.metrics = Metrics()
         # Engine-wide per-token acceptance a (engine/acceptance.py: decayed pooled counts).
@@ -405,6 +406,7 @@ class LLMEngine:
         self.draft_model, self.draft_fw = new, forward
         pool = self.pool
         self.draft = ModelRunner(forward, pool.layers(pool.draft), attention=self.config.attention)
+        self.scheduler.new_draft(self.draft_swaps + 1)     # cached draft blocks are stale
         for seq in self.seqs.values():
             self.scheduler.reset_draft(seq)
         self.acceptance.reset()
@@ -446,7 +448,8 @@ class LLMEngine:
             acceptance_rate=measured,
             token_acceptance=self.global_acceptance if measured is not None else None,
             speculating_acceptance=tuple(self._acceptance(q) for q in s.running if q.speculative),
-            time=time.time(), drafting_pays=self.goodput.verdict(self.global_acceptance))
+            time=time.time(), drafting_pays=self.goodput.verdict(self.global_acceptance),
+            prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits)
 
     def snapshot(self) -> MetricsSnapshot:
         s = self.scheduler

@@ -66,6 +66,12 @@ class EngineStats:
     serving: ServingTimes | None = None    # steps against their profile, loop gaps, requests
     drafting_pays: bool | None = None      # what drafting delivered at the live acceptance,
     #   measured (engine/goodput.py): True pays, False loses to plain decoding, None not judged
+    prefix_cache_queries: int = 0          # prompt tokens looked up in the prefix cache, since
+    prefix_cache_hits: int = 0             # start, and of them found cached (prefill skipped)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
     @property
     def load(self) -> int:

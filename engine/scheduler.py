@@ -12,10 +12,19 @@ again later, with the same tokens). New speculative requests are admitted as bas
 headroom is low. The admission test, that threshold and the victim order are the pure functions
 of `engine/kv_rules.py`, which the simulator's replicas apply too. Nothing allocates outside
 this module, so the pool can never be overdrawn.
+
+Prefix caching (docs/decisions/0028-prefix-caching.md): a full block whose KV a prompt chunk
+computed is keyed by its prefix (`engine/prefix_cache.py`), as is a full draft block, and stays
+in the pool after its sequences finish. An admitted sequence holds the longest keyed prefix it
+finds and prefills only the rest: `prefix_unit` tokens at a time (a multiple of the block and of
+`prefill_align`, so the rest is cut and attended exactly as without the cache and the KV is the
+same bits), never its last prompt token (its logits are needed), and, in speculative mode, only
+as far as the draft's blocks are cached too. Baseline sequences need only the target's.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +32,7 @@ from dataclasses import dataclass
 from engine import kv_rules
 from engine.kv_cache import BlockPool
 from engine.kv_rules import blocks_needed
+from engine.prefix_cache import chain_keys
 from engine.sampling_params import FinishReason, Mode
 from engine.sequence import Sequence, Status
 
@@ -67,6 +77,7 @@ class SchedulerLimits:
     # attention runs a chunk in pieces cut at the same multiples (`engine/attention.py`), so a
     # prompt's KV is the same bits however the token budget cut it, that is under any load.
     prefill_align: int = 64
+    prefix_caching: bool = True      # reuse cached prompt blocks (docs/decisions/0028-...)
 
 
 class Scheduler:
@@ -82,6 +93,10 @@ class Scheduler:
         self.num_spec_downgrades = 0
         self.truncated: list[Sequence] = []   # finished here (KV outgrown); the engine reports them
         self.last_alone = False               # the last step ran prompts alone (prefill_mode)
+        self.prefix_unit = math.lcm(self.tpb, limits.prefill_align)
+        self.draft_root = b"draft:0"          # the draft's key root; a new draft, a new root
+        self.prefix_queries = 0               # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0                  # of them, found cached (their prefill skipped)
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -116,19 +131,88 @@ class Scheduler:
 
     # ---- block bookkeeping ------------------------------------------------------------------
     def _free_all(self, seq: Sequence) -> None:
-        self.pool.free(seq.blocks, "target")
-        seq.blocks = []
+        self.register(seq)
+        self.pool.free(seq.blocks[::-1], "target")
+        seq.blocks, seq.num_keyed = [], 0
         self._free_draft(seq)
 
-    def _free_draft(self, seq: Sequence) -> None:
-        self.pool.free(seq.draft_blocks, "draft")
-        seq.draft_blocks = []
+    def _free_draft(self, seq: Sequence, keep: bool = True) -> None:
+        """keep: key its complete blocks first, so the cache keeps them (not stale ones)."""
+        if keep:
+            self.register(seq)
+        self.pool.free(seq.draft_blocks[::-1], "draft")
+        seq.draft_blocks, seq.num_draft_keyed = [], 0
         seq.draft_computed = 0
 
     def reset_draft(self, seq: Sequence) -> None:
         """Free the draft KV but keep the mode: the draft re-prefills when it next drafts
-        (after a draft swap, whose new weights make the old KV stale)."""
-        self._free_draft(seq)
+        (after a draft swap, whose new weights make the old KV stale: `new_draft`)."""
+        self._free_draft(seq, keep=False)
+
+    def new_draft(self, generation: int) -> None:
+        """Another draft's weights run from now: cached draft blocks no longer match (they
+        are evicted as they age)."""
+        self.draft_root = b"draft:%d" % generation
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def register(self, seq: Sequence) -> None:
+        """Key seq's full blocks whose KV is complete and final: the target's that prompt
+        chunks computed (before `prefill_end`; a decode's KV is other bits than a prefill's),
+        the draft's before `draft_computed`."""
+        if not self.limits.prefix_caching:
+            return
+        cache = self.pool.cache
+        n = min(seq.num_computed, seq.prefill_end, len(seq.blocks) * self.tpb) // self.tpb
+        if n > seq.num_keyed:
+            keys = chain_keys(seq.token_ids, self.tpb, b"target", seq.block_keys, n)
+            for j in range(seq.num_keyed, n):
+                cache.register(seq.blocks[j], keys[j])
+            seq.num_keyed = n
+        n = min(seq.draft_computed, len(seq.token_ids), len(seq.draft_blocks) * self.draft_tpb)
+        n //= self.draft_tpb or 1
+        if n > seq.num_draft_keyed:
+            if seq.draft_keys_root != self.draft_root:
+                seq.draft_keys, seq.draft_keys_root = [], self.draft_root
+            keys = chain_keys(seq.token_ids, self.draft_tpb, self.draft_root, seq.draft_keys, n)
+            for j in range(seq.num_draft_keyed, n):
+                cache.register(seq.draft_blocks[j], keys[j])
+            seq.num_draft_keyed = n
+
+    def _take_cached(self, seq: Sequence) -> None:
+        """Give a sequence with no KV the longest cached prefix it may reuse (not yet held:
+        `_hold_cached`), and skip its prefill there."""
+        if not self.limits.prefix_caching or seq.num_computed:
+            return
+        cache, unit = self.pool.cache, self.prefix_unit
+        end = (seq.prefill_end - 1) // unit * unit
+        keys = chain_keys(seq.token_ids, self.tpb, b"target", seq.block_keys, end // self.tpb)
+        blocks = cache.lookup(keys)
+        length = len(blocks) * self.tpb // unit * unit
+        if seq.speculative and length:
+            if seq.draft_keys_root != self.draft_root:
+                seq.draft_keys, seq.draft_keys_root = [], self.draft_root
+            # the draft blocks over [0, length), whole, and short of the last prompt token
+            num = min(-(-length // self.draft_tpb), (seq.prefill_end - 1) // self.draft_tpb)
+            keys = chain_keys(seq.token_ids, self.draft_tpb, self.draft_root, seq.draft_keys, num)
+            draft = cache.lookup(keys)
+            length = min(length, len(draft) * self.draft_tpb) // unit * unit
+            seq.draft_blocks = draft[:-(-length // self.draft_tpb)]
+            seq.draft_computed = len(seq.draft_blocks) * self.draft_tpb
+        seq.blocks = blocks[:length // self.tpb]
+        seq.num_computed = length
+
+    def _hold_cached(self, seq: Sequence) -> None:
+        """The sequence is admitted: it holds its cached prefix (counted once, however many
+        hold it)."""
+        self.pool.share(seq.blocks, "target")
+        self.pool.share(seq.draft_blocks, "draft")
+        seq.num_keyed, seq.num_draft_keyed = len(seq.blocks), len(seq.draft_blocks)
+        self.prefix_queries += seq.prefill_end
+        self.prefix_hits += seq.num_computed
+
+    def _drop_cached(self, seq: Sequence) -> None:
+        """Not admitted this step: back to no KV."""
+        seq.blocks, seq.draft_blocks, seq.num_computed, seq.draft_computed = [], [], 0, 0
 
     def _need(self, item: ScheduledSeq) -> tuple[int, int]:
         s = item.seq
@@ -173,6 +257,8 @@ class Scheduler:
         (2) speculation dropped, then sequences preempted, until its blocks fit; (3) waiting
         sequences admitted while tokens, sequence slots and blocks allow."""
         limits = self.limits
+        for s in self.running:           # what the last step completed, for admissions now
+            self.register(s)
         budget = limits.max_num_batched_tokens
         items: dict[int, ScheduledSeq] = {}
         mode = limits.prefill_mode
@@ -250,14 +336,17 @@ class Scheduler:
             if not self.fits_ever(len(seq.token_ids)):   # preempted after growing past the pool
                 self._truncate(seq)
                 continue
+            self._take_cached(seq)
             n = self._chunk(seq, budget)
-            if n == 0:                   # not one piece of the prompt fits this step's budget
-                break
             item = ScheduledSeq(seq, n, 0, limits.prefill_align)
-            need = self._need(item)[0]
-            if not kv_rules.fits_beside_growth(need, self.pool.num_free, len(self.running), 1):
+            # holding a cached block nobody holds takes it out of the free count
+            need = self._need(item)[0] + self.pool.num_unheld(seq.blocks + seq.draft_blocks)
+            if n == 0 or not kv_rules.fits_beside_growth(need, self.pool.num_free,
+                                                         len(self.running), 1):
+                self._drop_cached(seq)   # no piece fits the token budget, or no blocks
                 break
             self.waiting.popleft()
+            self._hold_cached(seq)
             if seq.speculative and not kv_rules.keeps_speculation(
                     self.pool.num_free - need, self.pool.num_blocks, limits.spec_min_free_fraction):
                 self._downgrade(seq)

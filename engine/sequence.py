@@ -43,6 +43,13 @@ class Sequence:
         self.draft_computed = 0               # draft KV holds token_ids[:draft_computed]
         self.blocks: list[int] = []           # target KV blocks
         self.draft_blocks: list[int] = []     # draft KV blocks (speculative mode only)
+        # prefix-cache keys of full blocks (engine/prefix_cache.py), and how many of the
+        # blocks held are keyed already
+        self.block_keys: list[bytes] = []
+        self.draft_keys: list[bytes] = []
+        self.draft_keys_root = b""            # the draft root draft_keys were made under
+        self.num_keyed = 0
+        self.num_draft_keyed = 0
         self.mode = self.options.mode         # may drop to BASELINE; never rises back
         self.reason: str | None = None        # why the mode dropped, when the caller must know
         self.status = Status.WAITING

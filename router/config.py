@@ -62,6 +62,9 @@ class TierModelConfig(_Strict):
         "requests per replica; None: the engine's own bound (max_num_seqs + max_waiting) and "
         "room for requests in transit (`serve_max_ongoing`)")
     max_queued_requests: int = Field(32, ge=1, description="Serve: queued requests per caller")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV of cached prompt "
+        "prefixes (target and draft) across requests and siblings, skipping their prefill; "
+        "output unchanged (docs/decisions/0028-prefix-caching.md)")
     engine_args: dict[str, Any] = Field(default_factory=dict,
                                         description="more EngineConfig fields (adaptive_k, block_size, ...)")
 
@@ -111,7 +114,8 @@ class TierModelConfig(_Strict):
             "kv_budget_bytes": self.kv_budget_bytes, "max_num_seqs": self.max_num_seqs,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "max_model_len": self.max_model_len, "num_threads": self.num_threads,
-            "max_waiting": self.max_waiting, "tp_size": self.tp_size, **self.engine_args})
+            "max_waiting": self.max_waiting, "tp_size": self.tp_size,
+            "enable_prefix_caching": self.enable_prefix_caching, **self.engine_args})
 
 
 class TierPrice(_Strict):

@@ -120,7 +120,8 @@ class Observer:
         return ClusterStats(tiers)
 
     def health(self, profile: bool = False) -> dict:
-        """Per tier: replicas, load, KV bytes held and live acceptance (for `/health`); with
+        """Per tier: replicas, load, KV bytes held, live acceptance and the prefix cache's hits
+        (for `/health`); with
         `profile`, also the step-cost profile the tier's engine runs on."""
         return {kind: _tier_health(replicas, profile) for kind, replicas in self.replicas.items()}
 
@@ -177,6 +178,11 @@ def _tier_health(replicas: dict, profile: bool = False) -> dict:
             "kv_peak_target_bytes": sum(max(r.kv_peak_target_bytes, r.kv_used_target_bytes) for r in reps),
             "kv_peak_draft_bytes": sum(max(r.kv_peak_draft_bytes, r.kv_used_draft_bytes) for r in reps),
             "token_acceptance": sum(acc) / len(acc) if acc else None,
+            # prompt tokens looked up in the replicas' prefix caches and found there, since start
+            "prefix_cache_queries": sum(r.prefix_cache_queries for r in reps),
+            "prefix_cache_hits": sum(r.prefix_cache_hits for r in reps),
+            "prefix_cache_hit_rate": _ratio(sum(r.prefix_cache_hits for r in reps),
+                                            sum(r.prefix_cache_queries for r in reps)),
             # what the replicas learnt while serving beyond their profiled step cost (the
             # per-sequence overhead and the draft's price factor): `simulate --scenario local-cpu`
             # times its replicas with them
@@ -187,6 +193,10 @@ def _tier_health(replicas: dict, profile: bool = False) -> dict:
             "serving": _sum_serving([r.serving for r in reps if r.serving is not None]),
             **({"cost_profile": costs[0].base.to_dict()}
                if profile and costs and hasattr(costs[0].base, "to_dict") else {})}
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
 
 
 def _sum_serving(records: list) -> dict | None:

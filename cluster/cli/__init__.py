@@ -26,6 +26,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench load", "cluster.bench.load", "per-rank memory of loading a tensor-parallel shard (70B widths by default)"),
     ("bench sampler", "cluster.bench.sampler", "acceptance of the coupled (seeded) sampler next to rejection sampling"),
     ("bench overload", "cluster.bench.overload", "drive a running cluster at 4x its capacity; check nothing is lost"),
+    ("bench prefix", "cluster.bench.prefix", "multi-turn chat on one engine: prefix caching off vs on, TTFT per turn"),
     ("bench serve", "cluster.bench.serve", "drive a running cluster over HTTP: policies x loads, JSON + PNG"),
     ("simulate", "cluster.sim.simulate", "run the capacity simulator on a scenario"),
     ("keys add", "cluster.cli.keys", "create an API key bound to a pricing plan (live, no restart)"),

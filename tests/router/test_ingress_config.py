@@ -71,6 +71,8 @@ def test_llama2_70b_yaml_loads():
     assert engine.kv_resident               # a served replica holds its KV budget from the start
     off = TierModelConfig(model="/m", engine_args={"kv_resident": False}).engine_config()
     assert not off.kv_resident
+    assert engine.enable_prefix_caching      # on by default (docs/decisions/0028-prefix-caching.md)
+    assert not TierModelConfig(model="/m", enable_prefix_caching=False).engine_config().enable_prefix_caching
 
 
 @pytest.mark.parametrize("name", ["local.yaml", "bench-http.yaml", "llama2-70b-4xa100.yaml"])

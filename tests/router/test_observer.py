@@ -221,3 +221,14 @@ def test_health_sums_where_serving_time_goes_and_shows_the_profile_on_request():
     assert target["serving"]["gaps"] == 9 and target["serving"]["requests"] == 2
     assert "_ended" not in target["serving"] and "cost_profile" not in target
     assert obs.health(profile=True)["target"]["cost_profile"] == COST.base.to_dict()
+
+
+def test_health_shows_the_prefix_cache_hit_rate_over_the_replicas():
+    obs = Observer()
+    obs.report("a", engine_stats(prefix_cache_queries=1000, prefix_cache_hits=600))
+    obs.report("b", engine_stats(prefix_cache_queries=3000, prefix_cache_hits=400))
+    target = obs.health()["target"]
+    assert (target["prefix_cache_queries"], target["prefix_cache_hits"]) == (4000, 1000)
+    assert target["prefix_cache_hit_rate"] == 0.25
+    obs.report("c", engine_stats(), "small")
+    assert obs.health()["small"]["prefix_cache_hit_rate"] is None   # nothing looked up yet
