@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import replace
 
 import torch
@@ -26,7 +25,7 @@ from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
 from engine.kv_cache import BlockPool
 from engine.logits_processors import Processors
 from engine.memory import cpu_kv_budget_bytes, measure_gpu
-from engine.metrics import Metrics, MetricsSnapshot, ServingTimes
+from engine.metrics import KVPeaks, Metrics, MetricsSnapshot, ServingTimes
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
@@ -39,7 +38,6 @@ from models.loader import check_compatible, load_served
 logger = logging.getLogger(__name__)
 
 DRAFT_UNAVAILABLE = "draft_unavailable"   # RequestOutput.reason: the draft failed, now baseline
-KV_PEAK_WINDOW_S = 2.0  # EngineStats' KV peaks: the most in use at any step of this many seconds
 
 
 class LLMEngine:
@@ -104,7 +102,7 @@ class LLMEngine:
         # Where serving time goes: steps against their profile's prices, the loop's time
         # between steps, requests' time in the engine (`EngineStats.serving`).
         self.serving = ServingTimes()
-        self._kv_marks: deque[tuple[float, int, int]] = deque()   # (time, target, draft blocks)
+        self.kv_peaks = KVPeaks()
         self.seqs: dict[str, Sequence] = {}
         self.draft_swaps = 0
         self.detok: dict[str, Detokenizer] = {}
@@ -240,7 +238,7 @@ class LLMEngine:
             outputs += self._fail([seq], exc)
         if not items:
             return outputs
-        self._mark_kv()
+        self.kv_peaks.mark(self.pool.used_by)
         # A draft that catches up on more than a step's worth of tokens (a prompt it has not
         # seen, or many tokens it skipped) prefills inside this step: not a decode step's cost.
         catch_up = max((len(it.seq.token_ids) - it.seq.draft_computed for it in items if it.k > 0),
@@ -413,27 +411,12 @@ class LLMEngine:
         self.draft_swaps += 1
 
     # ---- introspection ----------------------------------------------------------------------
-    def _mark_kv(self) -> None:
-        """Remember this step's KV in use (blocks are held from here to the step's end), so a
-        report shows the peak between two reports and not only the moment it is taken."""
-        now, used = time.monotonic(), self.pool.used_by
-        marks = self._kv_marks
-        marks.append((now, used["target"], used["draft"]))
-        while marks[0][0] < now - KV_PEAK_WINDOW_S:
-            marks.popleft()
-
-    def _kv_peaks(self) -> tuple[int, int]:
-        since, used = time.monotonic() - KV_PEAK_WINDOW_S, self.pool.used_by
-        recent = [m for m in self._kv_marks if m[0] >= since]
-        return (max([used["target"]] + [m[1] for m in recent]) * self.pool.block_bytes,
-                max([used["draft"]] + [m[2] for m in recent]) * self.pool.block_bytes)
-
     def stats(self) -> EngineStats:
         """This engine's load and what the router's policy needs (see `EngineStats`)."""
         s, pool = self.scheduler, self.pool
         measured = self.metrics.data.acceptance_rate
         per_token = pool.element_size
-        peak_target, peak_draft = self._kv_peaks()
+        peak_target, peak_draft = self.kv_peaks.peaks(pool.used_by, pool.block_bytes)
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_speculative=sum(q.speculative for q in s.running),

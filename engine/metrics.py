@@ -5,7 +5,11 @@ acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
+
+KV_PEAK_WINDOW_S = 2.0  # EngineStats' KV peaks: the most in use at any step of this many seconds
 
 
 @dataclass
@@ -103,3 +107,25 @@ class ServingTimes:
     def finished(self, seconds: float) -> None:
         self.requests += 1
         self.request_s += seconds
+
+
+class KVPeaks:
+    """The most KV blocks in use at any step of the last KV_PEAK_WINDOW_S, per kind, so a
+    report shows the peak between two reports and not only the moment it is taken."""
+
+    def __init__(self) -> None:
+        self._marks: deque[tuple[float, int, int]] = deque()   # (time, target, draft blocks)
+
+    def mark(self, used: dict[str, int]) -> None:
+        """Remember this step's blocks in use (held from here to the step's end)."""
+        now = time.monotonic()
+        self._marks.append((now, used["target"], used["draft"]))
+        while self._marks[0][0] < now - KV_PEAK_WINDOW_S:
+            self._marks.popleft()
+
+    def peaks(self, used: dict[str, int], block_bytes: int) -> tuple[int, int]:
+        """(target, draft) peak bytes over the window, what is in use now included."""
+        since = time.monotonic() - KV_PEAK_WINDOW_S
+        recent = [m for m in self._marks if m[0] >= since]
+        return (max([used["target"]] + [m[1] for m in recent]) * block_bytes,
+                max([used["draft"]] + [m[2] for m in recent]) * block_bytes)

@@ -61,7 +61,7 @@ class EngineStats:
     speculating_acceptance: tuple[float, ...] = ()   # a of each speculating sequence
     time: float = 0.0                      # when measured (time.time() on the engine's host)
     kv_peak_target_bytes: int = 0          # the most KV in use at any step of the last
-    kv_peak_draft_bytes: int = 0           # KV_PEAK_WINDOW_S (engine/llm_engine.py), now included
+    kv_peak_draft_bytes: int = 0           # KV_PEAK_WINDOW_S (engine/metrics.py), now included
     available: bool = True                 # False: the engine loop died (being replaced)
     serving: ServingTimes | None = None    # steps against their profile, loop gaps, requests
     drafting_pays: bool | None = None      # what drafting delivered at the live acceptance,

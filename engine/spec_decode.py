@@ -122,19 +122,7 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
             spec = []
 
     # Verify: one target forward over every scheduled sequence.
-    seqs, ids, pos, rows, scored = [], [], [], [], {}
-    for it in items:
-        s = it.seq
-        feed = s.token_ids[s.num_computed:s.num_computed + it.num_feed] + drafted.get(id(it), [])
-        seqs.append(SeqSlice(s.blocks, s.num_computed, len(feed), it.prefill_align))
-        if s.prompt_logprobs is not None:   # (flat row, the prompt token it scores) this chunk
-            scored[id(it)] = [(len(ids) + p - s.num_computed, s.token_ids[p + 1]) for p in
-                              prompt_rows(len(s.prompt_logprobs), s.num_computed, it.num_feed,
-                                          s.num_prompt)]
-        ids += feed
-        pos += range(s.num_computed, s.num_computed + len(feed))
-        if it.samples:
-            rows += range(len(ids) - it.k - 1, len(ids))
+    seqs, ids, pos, rows, scored = _verify_feed(items, drafted)
     num_rows = len(rows) if sampling else 1
     extra = [r for pairs in scored.values() for r, _ in pairs]
     start = time.perf_counter()
@@ -176,6 +164,26 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
                for it, a, t in zip(sampling, accepted, emitted)}
     return [results.get(id(it), StepResult(it, 0, [], prompt_logprobs=prompt_lp.get(id(it))))
             for it in items], times
+
+
+def _verify_feed(items: list[ScheduledSeq], drafted: dict):
+    """The verify forward's inputs: each item's slice, the flat ids and positions (its chunk or
+    last token, then its drafts), the rows whose logits sample (k + 1 per sampling item), and
+    {id(item): [(flat row, prompt token it scores)]} for the items scoring their prompt."""
+    seqs, ids, pos, rows, scored = [], [], [], [], {}
+    for it in items:
+        s = it.seq
+        feed = s.token_ids[s.num_computed:s.num_computed + it.num_feed] + drafted.get(id(it), [])
+        seqs.append(SeqSlice(s.blocks, s.num_computed, len(feed), it.prefill_align))
+        if s.prompt_logprobs is not None:
+            scored[id(it)] = [(len(ids) + p - s.num_computed, s.token_ids[p + 1]) for p in
+                              prompt_rows(len(s.prompt_logprobs), s.num_computed, it.num_feed,
+                                          s.num_prompt)]
+        ids += feed
+        pos += range(s.num_computed, s.num_computed + len(feed))
+        if it.samples:
+            rows += range(len(ids) - it.k - 1, len(ids))
+    return seqs, ids, pos, rows, scored
 
 
 def _emitted_logprobs(sampling: list[ScheduledSeq], ks: list[int], emitted: list[list[int]],

@@ -148,7 +148,7 @@ def test_stats_report_the_kv_peak_of_the_last_seconds_not_only_the_moment(tiny_f
     """A request that came and went between two reports still shows in the KV peaks (a
     bench sampling /health would otherwise read 0 for a short run's draft KV), and the peaks
     forget it once it is older than the window."""
-    import engine.llm_engine as llm_engine
+    import engine.metrics as metrics
     from engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(str(tiny_family["target"]), str(tiny_family["draft"]),
@@ -162,6 +162,6 @@ def test_stats_report_the_kv_peak_of_the_last_seconds_not_only_the_moment(tiny_f
     assert stats.kv_used_target_bytes == 0 and stats.kv_used_draft_bytes == 0
     block = engine.pool.block_bytes
     assert stats.kv_peak_target_bytes >= 3 * block and stats.kv_peak_draft_bytes >= block
-    monkeypatch.setattr(llm_engine, "KV_PEAK_WINDOW_S", 0.0)
+    monkeypatch.setattr(metrics, "KV_PEAK_WINDOW_S", 0.0)
     stats = engine.stats()
     assert stats.kv_peak_target_bytes == 0 and stats.kv_peak_draft_bytes == 0

@@ -34,6 +34,11 @@ def distilled(tiny_family, prompts, tmp_path_factory):
 
 
 def test_deepspeed_runs_the_steps_and_acceptance_rises(distilled):
+    import torch.distributed as dist
+
+    # The 1-rank group DeepSpeed made for the run is gone with it (a tensor-parallel group
+    # joined later in this process would otherwise fail: "initialize ... twice").
+    assert not dist.is_initialized()
     report = json.loads((distilled / "distill.json").read_text())
     ds = report["deepspeed"]
     assert report["trainer"] == "deepspeed"
