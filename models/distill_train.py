@@ -91,7 +91,6 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     best = _Best(out / "best.pt", target.model, split.val, temps)
     if best.step is None:            # the student as given (before DeepSpeed casts it): kept if
         best.offer(0, model)         # no training step beats it
-    owns_group = not torch.distributed.is_initialized()   # alone: DeepSpeed makes a 1-rank group
     engine, optimizer, _ = init_deepspeed(model, config)
     budget = _Budget(steps, minutes * 60 if minutes else None, checkpoint_every_s, eval_every_s)
     trained_s, recent = _train(engine, ckpt, target.model, split.train, teacher, t_loss, best, budget,
@@ -123,10 +122,6 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
               "heldout": {"before": before, "after": after, "delta": _delta(before, after)},
               "guard": guard}
     write_report(out, report)
-    if owns_group and torch.distributed.is_initialized():
-        # The group this run made ends with it: a process that distils and then joins a
-        # tensor-parallel group (or distils again) must find none.
-        torch.distributed.destroy_process_group()
     return report
 
 
