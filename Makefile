@@ -9,9 +9,11 @@ run: setup
 	.venv/bin/specserve up
 
 # PYTHONFAULTHANDLER: a crash after the tests (a segfault at interpreter exit, after every test
-# has passed) prints every thread's stack.
+# has passed) prints every thread's stack. Two pytest-xdist workers, each taking whole files
+# (module fixtures such as a served app stay in one process): half the wall time on 2 cores,
+# since much of a Ray test is waiting on other processes (docs/testing.md).
 test: setup
-	PYTHONFAULTHANDLER=1 .venv/bin/python -m pytest -q
+	PYTHONFAULTHANDLER=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile
 
 bench: setup
 	.venv/bin/specserve bench engine --family $(or $(FAMILY),../shared/models/reference-py) --json out/bench-engine.json

@@ -176,7 +176,9 @@ def test_a_failing_draft_continues_in_baseline_with_its_reason(tiny_family):
             return [chunk async for chunk in server.generate(req)]
 
         chunks = asyncio.run(run())
-        assert chunks[0].mode == "speculative" and chunks[-1].mode == "baseline"
+        # It ran speculative before the fault (counts are cumulative; a chunk's mode is its last
+        # step's, and a consumer slower than the engine gets steps merged into one chunk).
+        assert chunks[-1].num_speculative_tokens > 0 and chunks[-1].mode == "baseline"
         assert chunks[-1].reason == "draft_unavailable" and chunks[-1].finished
         assert sum(len(c.token_ids) for c in chunks) == 12
         assert server.engine.stats().kv_used_draft_bytes == 0
