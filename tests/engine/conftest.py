@@ -52,3 +52,29 @@ def run_all(engine, arrivals=None):
         step += 1
         assert step < 10_000
     return outs, finals
+
+
+def three_token_pvalue(probs_after, outs: dict, n: int) -> float:
+    """Chi-square p-value of `n` sampled 3-token continuations (`outs`: id -> tokens) against
+    their exact probability, the product of `probs_after(prefix)` ({token: p} after the tokens
+    so far). Cells expected fewer than 5 times are pooled into one. A sampled token outside
+    the exact support raises KeyError (a token the processed distribution gives no mass)."""
+    from scipy.stats import chisquare
+
+    exact = {}
+    for t1, p1 in probs_after([]).items():
+        for t2, p2 in probs_after([t1]).items():
+            for t3, p3 in probs_after([t1, t2]).items():
+                exact[(t1, t2, t3)] = p1 * p2 * p3
+    counts = {cell: 0 for cell in exact}
+    for toks in outs.values():
+        counts[tuple(toks)] += 1
+    cells = sorted(exact)
+    observed = [counts[c] for c in cells]
+    expected = [exact[c] * n for c in cells]
+    big = [i for i, e in enumerate(expected) if e >= 5]
+    obs, exp = [observed[i] for i in big], [expected[i] for i in big]
+    rest_o, rest_e = n - sum(obs), n - sum(exp)
+    if rest_e > 1e-6:
+        obs, exp = obs + [rest_o], exp + [rest_e]
+    return chisquare(obs, exp).pvalue

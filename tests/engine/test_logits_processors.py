@@ -11,9 +11,8 @@ import random
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from conftest import run_all
+from conftest import run_all, three_token_pvalue
 from engine.errors import InvalidParamError
 from engine.logits_processors import RequestProcessor, process
 from engine.sampling_params import RequestOptions, SamplingParams
@@ -163,24 +162,7 @@ def test_sampled_speculative_output_has_the_processed_distribution(make_engine, 
                            RequestOptions("speculative", k_max=2))
     outs, _ = run_all(engine)
     assert 0 < engine.snapshot().num_accepted_tokens < engine.snapshot().num_draft_tokens
-    exact = {}
-    for t1, p1 in _exact_probs(hf_target, prompt, []).items():
-        for t2, p2 in _exact_probs(hf_target, prompt, [t1]).items():
-            for t3, p3 in _exact_probs(hf_target, prompt, [t1, t2]).items():
-                exact[(t1, t2, t3)] = p1 * p2 * p3
-    counts = {cell: 0 for cell in exact}
-    for toks in outs.values():
-        counts[tuple(toks)] += 1          # KeyError: a token outside the processed top-k
-    cells = sorted(exact)
-    observed = [counts[c] for c in cells]
-    expected = [exact[c] * n for c in cells]
-    big = [i for i, e in enumerate(expected) if e >= 5]
-    rest_o = n - sum(observed[i] for i in big)
-    rest_e = n - sum(expected[i] for i in big)
-    obs, exp = [observed[i] for i in big], [expected[i] for i in big]
-    if rest_e > 1e-6:                     # the small cells pooled into one
-        obs, exp = obs + [rest_o], exp + [rest_e]
-    p_value = chisquare(obs, exp).pvalue
+    p_value = three_token_pvalue(lambda done: _exact_probs(hf_target, prompt, done), outs, n)
     assert p_value > 1e-3
 
 

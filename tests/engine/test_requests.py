@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from conftest import run_all
+from conftest import run_all, three_token_pvalue
 from engine.errors import EngineOverloadedError, PromptTooLongError
 from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
 
@@ -98,19 +97,5 @@ def test_sampled_speculative_output_has_the_target_distribution(make_engine, hf_
         top = logits.topk(3)
         return dict(zip(top.indices.tolist(), top.values.softmax(0).tolist()))
 
-    exact = {}
-    for t1, p1 in probs(PROMPT).items():
-        for t2, p2 in probs(PROMPT + [t1]).items():
-            for t3, p3 in probs(PROMPT + [t1, t2]).items():
-                exact[(t1, t2, t3)] = p1 * p2 * p3
-    counts = {cell: 0 for cell in exact}
-    for toks in outs.values():
-        counts[tuple(toks)] += 1          # KeyError = a token outside the target's top-k
-    cells = sorted(exact)
-    observed = [counts[c] for c in cells]
-    expected = [exact[c] * n for c in cells]
-    big = [i for i, e in enumerate(expected) if e >= 5]
-    rest_o = n - sum(observed[i] for i in big)
-    rest_e = n - sum(expected[i] for i in big)
-    p_value = chisquare([observed[i] for i in big] + [rest_o], [expected[i] for i in big] + [rest_e]).pvalue
+    p_value = three_token_pvalue(lambda done: probs(PROMPT + done), outs, n)
     assert p_value > 1e-3
