@@ -192,12 +192,12 @@ def _emitted_logprobs(sampling: list[ScheduledSeq], ks: list[int], emitted: list
     in `logits` [sum(k+1), vocab] start at sum(k_j + 1, j < i); its j-th emitted token (an
     accepted draft, or the recovered / bonus token) is chosen at its row j, so the verify
     forward already holds every value: no extra forward, and only the asking rows are scored."""
-    starts = [0]
-    for k in ks:
-        starts.append(starts[-1] + k + 1)
     asking = [(i, it) for i, it in enumerate(sampling) if it.seq.params.logprobs is not None]
     if not asking:
         return {}
+    starts = [0]
+    for k in ks:
+        starts.append(starts[-1] + k + 1)
     flat = [starts[i] + j for i, _ in asking for j in range(len(emitted[i]))]
     tokens = [t for i, _ in asking for t in emitted[i]]
     tops = [it.seq.params.logprobs for i, it in asking for _ in emitted[i]]
