@@ -180,8 +180,9 @@ class Scheduler:
 
     def _take_cached(self, seq: Sequence) -> None:
         """Give a sequence with no KV the longest cached prefix it may reuse (not yet held:
-        `_hold_cached`), and skip its prefill there."""
-        if not self.limits.prefix_caching or seq.num_computed:
+        `_hold_cached`), and skip its prefill there. A sequence that asks for its prompt's
+        logprobs takes none: it needs every prompt row (as vLLM, which skips the lookup too)."""
+        if not self.limits.prefix_caching or seq.num_computed or seq.prompt_logprobs is not None:
             return
         cache, unit = self.pool.cache, self.prefix_unit
         end = (seq.prefill_end - 1) // unit * unit

@@ -177,3 +177,19 @@ def test_preempted_requests_score_each_token_once(make_engine, hf_target):
         ref = _reference(hf_target, p, out)
         _check_against(ref[:len(p) - 1], p[1:], prompt_lps[f"r{i}"][1:], 1)
         _check_against(ref[len(p) - 1:], out, lps[f"r{i}"], 1)
+
+
+@pytest.mark.parametrize("mode", ["baseline", "speculative"])
+def test_prompt_logprobs_of_a_cached_prompt_are_all_there(make_engine, mode):
+    """A prompt whose prefix is cached (sent before) is still scored from its second token: a
+    request asking for prompt logprobs does not skip its prefill (it needs those rows)."""
+    prompt = [5 + (7 * i) % 250 for i in range(200)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    engine = make_engine(adaptive_k=False, max_num_batched_tokens=256)
+    first = _run(engine, mode, params, prompts=[prompt])
+    second = _run(engine, mode, params, prompts=[prompt])
+    assert second[0] == first[0]
+    a, b = first[2]["r0"], second[2]["r0"]
+    assert len(a) == len(b) == len(prompt)
+    for x, y in zip(a[1:], b[1:]):
+        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=ATOL)
