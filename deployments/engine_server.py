@@ -11,6 +11,8 @@ and exports metrics. No tensor math here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from deployments.metrics import ReplicaMetrics
+from deployments.siblings import merged
 from deployments.tp_group import import_object
 from router.config import TierModelConfig
 from router.wire import GenerateChunk, TierError, GenerateRequest
@@ -196,21 +199,47 @@ class EngineServer:
         return lp, prompt_lp, prompt_text
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        from engine.async_engine import merge_outputs
         from engine.sampling_params import Mode, RequestOptions, SamplingParams
 
         self._start_exporter()
-        prompt_too_long, overloaded, request_failed, engine_dead = self._errors
         try:
             params = SamplingParams(**req.sampling)
             options = RequestOptions(mode=Mode(req.mode), k_max=req.k_max, priority=req.priority)
         except (ValueError, TypeError) as exc:
             raise TierError(400, str(exc)) from None
         prompt_ids = self._prompt_token_ids(req)
+        if req.n == 1:     # closed here, so a client that goes away frees the KV at once
+            async with contextlib.aclosing(self._choice(req, req.request_id, params, options,
+                                                        prompt_ids)) as stream:
+                async for chunk in stream:
+                    yield chunk
+            return
+
+        def sibling(i: int, head: GenerateChunk):
+            # seeded: sibling i samples with seed + i (as vLLM); the prompt is scored once, by
+            # sibling 0, and its entries go out again on each sibling's first chunk
+            p = dataclasses.replace(params, prompt_logprobs=None,
+                                    seed=None if params.seed is None else params.seed + i)
+            return self._choice(req, f"{req.request_id}/{i}", p, options, prompt_ids,
+                                head.prompt_logprobs)
+
+        first = self._choice(req, f"{req.request_id}/0", params, options, prompt_ids)
+        async with contextlib.aclosing(merged(first, sibling, req.n)) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def _choice(self, req: GenerateRequest, request_id: str, params, options,
+                      prompt_ids: list[int], prompt_lp: list | None = None
+                      ) -> AsyncIterator[GenerateChunk]:
+        """One engine request's chunks (one choice); `prompt_lp`: the prompt's entries to send
+        on the first chunk when another sibling scored them."""
+        from engine.async_engine import merge_outputs
+
+        prompt_too_long, overloaded, request_failed, engine_dead = self._errors
         start = last = time.monotonic()
         first, held, echo = True, None, req.echo
         try:
-            async for out in self.engine.generate(req.request_id, prompt_ids, params, options):
+            async for out in self.engine.generate(request_id, prompt_ids, params, options):
                 now = time.monotonic()
                 if out.token_ids:
                     if first:
@@ -225,22 +254,10 @@ class EngineServer:
                 if not first and not out.finished and len(out.token_ids) < self.tier.stream_interval:
                     held = out
                     continue
-                lp, prompt_lp, prompt_text = self._logprobs(req, prompt_ids, out, echo)
+                lp, own_prompt_lp, prompt_text = self._logprobs(req, prompt_ids, out, echo)
+                own_prompt_lp = own_prompt_lp or (prompt_lp if echo else None)
                 echo, first = False, first and not out.token_ids
-                yield GenerateChunk(text=out.text, token_ids=list(out.token_ids), finished=out.finished,
-                                finish_reason=_value(out.finish_reason),
-                                num_prompt_tokens=out.num_prompt_tokens,
-                                num_output_tokens=out.num_output_tokens, mode=_value(out.mode),
-                                acceptance_rate=out.acceptance_rate,
-                                mean_acceptance_length=out.mean_acceptance_length,
-                                token_acceptance=out.token_acceptance,
-                                num_speculative_tokens=out.num_speculative_tokens,
-                                num_draft_tokens=out.num_draft_tokens,
-                                num_accepted_tokens=out.num_accepted_tokens,
-                                num_draft_trials=out.num_draft_trials,
-                                reason=out.reason,
-                                fingerprint=self.fingerprint, logprobs=lp,
-                                prompt_logprobs=prompt_lp, prompt_text=prompt_text)
+                yield self._chunk(out, lp, own_prompt_lp, prompt_text)
         except prompt_too_long as exc:
             raise TierError(400, str(exc), code="context_length_exceeded",
                             param="messages" if req.messages is not None else "prompt") from None
@@ -257,7 +274,22 @@ class EngineServer:
             raise TierError(400, str(exc), param=getattr(exc, "param", None)) from None
         finally:
             # Runs on finish, error and cancellation (client gone): frees the KV at once.
-            self.engine.abort(req.request_id)
+            self.engine.abort(request_id)
+
+    def _chunk(self, out, lp, prompt_lp, prompt_text) -> GenerateChunk:
+        return GenerateChunk(text=out.text, token_ids=list(out.token_ids), finished=out.finished,
+                             finish_reason=_value(out.finish_reason),
+                             num_prompt_tokens=out.num_prompt_tokens,
+                             num_output_tokens=out.num_output_tokens, mode=_value(out.mode),
+                             acceptance_rate=out.acceptance_rate,
+                             mean_acceptance_length=out.mean_acceptance_length,
+                             token_acceptance=out.token_acceptance,
+                             num_speculative_tokens=out.num_speculative_tokens,
+                             num_draft_tokens=out.num_draft_tokens,
+                             num_accepted_tokens=out.num_accepted_tokens,
+                             num_draft_trials=out.num_draft_trials,
+                             reason=out.reason, fingerprint=self.fingerprint, logprobs=lp,
+                             prompt_logprobs=prompt_lp, prompt_text=prompt_text)
 
     # -- metrics ------------------------------------------------------------------------------
     def _start_exporter(self) -> None:

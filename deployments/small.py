@@ -6,6 +6,8 @@ tensor parallelism. Deployment options are set in `deployments/app.py`.
 
 from __future__ import annotations
 
+import contextlib
+
 from ray import serve
 
 from deployments.engine_server import EngineServer
@@ -17,8 +19,10 @@ class SmallServer(EngineServer):
 
     async def generate(self, req: GenerateRequest):
         req.mode, req.k_max = "baseline", 0       # never speculative on the small tier
-        async for chunk in super().generate(req):
-            yield chunk
+        # closed here, not when collected: a client that goes away frees the KV at once
+        async with contextlib.aclosing(super().generate(req)) as stream:
+            async for chunk in stream:
+                yield chunk
 
 
 SmallDeployment = serve.deployment(SmallServer, name="SmallServer")

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, RequestFailedError
+from engine.errors import EngineDeadError, InvalidParamError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.metrics import MetricsSnapshot
 from engine.outputs import EngineStats, RequestOutput
@@ -90,6 +90,8 @@ class StreamingFront:
                     raise EngineDeadError(f"the engine stopped: {out!r}") from out
                 if out.error is not None:      # this request failed; the engine serves on
                     finished = out.finished
+                    if out.error_param is not None:
+                        raise InvalidParamError(out.error, out.error_param)
                     raise RequestFailedError(out.error)
                 # Outputs that piled up while the caller was busy go out as one: under load
                 # each message up the serving path (Ray, ingress, proxy) costs CPU the engine

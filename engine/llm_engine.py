@@ -21,6 +21,7 @@ from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError, TPGroupError
 from engine.faults import Delays, Faults, FaultyRunner
 from engine.goodput import GoodputCheck
+from engine.grammar import GrammarError
 from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
 from engine.kv_cache import BlockPool
 from engine.logits_processors import Processors
@@ -235,7 +236,8 @@ class LLMEngine:
         # Sequences that outgrew the whole KV pool end with `length` and a final output.
         outputs = [self._output(seq, [], final=True) for seq in self.scheduler.take_truncated()]
         for seq, exc in failed:                       # their grammar did not compile
-            outputs += self._fail([seq], exc)
+            outputs += self._fail([seq], exc, "response_format" if isinstance(exc, GrammarError)
+                                  else None)
         if not items:
             return outputs
         self.kv_peaks.mark(self.pool.used_by)
@@ -278,13 +280,19 @@ class LLMEngine:
             self._calibrate(items, seconds, times)
         return outputs
 
-    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
-        """End these requests with an error (their KV freed); logged with their ids."""
+    def _fail(self, seqs: list[Sequence], exc: Exception,
+              param: str | None = None) -> list[RequestOutput]:
+        """End these requests with an error (their KV freed); logged with their ids. With
+        `param`, the request's own field was at fault (a schema no token sequence can write):
+        a refusal that names it, not an engine failure."""
         ids = [s.request_id for s in seqs if s.request_id in self.seqs]
-        logger.error("engine step failed for requests %s", ids, exc_info=exc)
-        self.metrics.data.num_failed_steps += 1
-        message = (f"the engine failed while running this request ({type(exc).__name__}); "
-                   f"it was stopped")
+        if param is None:
+            logger.error("engine step failed for requests %s", ids, exc_info=exc)
+            self.metrics.data.num_failed_steps += 1
+            message = (f"the engine failed while running this request ({type(exc).__name__}); "
+                       f"it was stopped")
+        else:
+            message = f"{param}: {exc}"
         outputs = []
         for seq in seqs:
             if seq.request_id not in self.seqs:
@@ -293,7 +301,7 @@ class LLMEngine:
             del self.seqs[seq.request_id], self.detok[seq.request_id]
             outputs.append(RequestOutput(seq.request_id, "", [], True, FinishReason.ERROR,
                                          seq.num_prompt, seq.num_output, seq.mode,
-                                         error=message))
+                                         error=message, error_param=param))
         return outputs
 
     def _calibrate(self, items, seconds: float, times: StepTimes) -> None:

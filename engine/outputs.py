@@ -30,6 +30,7 @@ class RequestOutput:
     num_draft_trials: int = 0         # draft tokens tried: accepted + rejections (cumulative)
     reason: str | None = None                     # e.g. "draft_unavailable": now baseline
     error: str | None = None                      # the request failed (finish_reason "error")
+    error_param: str | None = None    # ... because of this request field: refused (HTTP 400)
     logprobs: list | None = None          # [TokenLogprob] per new token, when asked
     prompt_logprobs: list | None = None   # [None, TokenLogprob...] per prompt token, first output only
 

@@ -158,6 +158,8 @@ class LimitsConfig(_Strict):
     max_tokens_default: int = Field(16, ge=1)
     max_tokens_limit: int = Field(4096, ge=1, description="bound on max_tokens and "
                                   "max_completion_tokens")
+    max_n: int = Field(16, ge=1, le=128, description="bound on n, the choices of one request "
+                       "(each a sequence in the engine)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request body bytes (then 413)")
     max_json_depth: int = Field(16, ge=4, le=64, description="JSON nesting of a request body")
 

@@ -59,6 +59,6 @@ def endpoint_plan(request: Request) -> str:
 
 async def chain(first, stream):
     yield first
-    if not first.finished:
+    if not first.done:
         async for chunk in stream:
             yield chunk

@@ -42,11 +42,11 @@ from router.live_stats import LiveStats
 from router.logprobs import ChoiceLogprobs, chunk_logprobs, merge
 from router.observer import Observer
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
-                                  RunningUsage, chat_body, chat_chunk, completion_body, completion_chunk,
-                                  error_body, new_id, system_fingerprint)
+                                  RunningUsage, choice, error_body, new_id, response_body,
+                                  stream_chunk, system_fingerprint)
 from router.plans import check_speculation, effective_plan, plan_covers
 from router.validation import parse_json_object, read_body, validate_request
-from router.wire import GenerateChunk, GenerateRequest, find_tier_error
+from router.wire import GenerateChunk, GenerateRequest, combined, find_tier_error
 
 logger = logging.getLogger("ray.serve")
 FALLBACK_TIER = {"premium": "speculative", "standard": "baseline", "economy": "small",
@@ -113,6 +113,8 @@ class Ingress:
         if (max_tokens or 0) > limits.max_tokens_limit:
             raise HTTPError(400, f"{field} must be at most {limits.max_tokens_limit}",
                             "invalid_value", field)
+        if body.n > limits.max_n:
+            raise HTTPError(400, f"n must be at most {limits.max_n}", "invalid_value", "n")
         return body
 
     def _failure(self, exc: BaseException, tier: str, request_id: str) -> HTTPError:
@@ -184,14 +186,14 @@ class Ingress:
                                self.observer.acceptance_by_class(learnt_only=True))
             life.charge = await self.accounts.admit(request_id, key, plan, endpoint_plan(request),
                                                     api, life.tier, reason,
-                                                    prompt_len + sampling["max_tokens"])
+                                                    prompt_len + body.n * sampling["max_tokens"])
             gen_req = GenerateRequest(
                 request_id=request_id, tier=life.tier, k_max=k_max, sampling=sampling,
                 mode="speculative" if life.tier == "speculative" else "baseline",
                 messages=messages if chat else None,
                 prompt=body.prompt if not chat and isinstance(body.prompt, str) else None,
                 prompt_token_ids=body.prompt if not chat and isinstance(body.prompt, list) else None,
-                echo=bool(getattr(body, "echo", False)))
+                echo=bool(getattr(body, "echo", False)), n=body.n)
             first, life.stream = await self._start(gen_req)
             life.last = first
             headers = {"x-specserve-tier": life.tier, "x-specserve-reason": reason,
@@ -201,56 +203,66 @@ class Ingress:
                 events = self._sse(life, first, chat, body, running)
                 return life.hand_off(StreamingResponse(events, media_type="text/event-stream",
                                                        headers=headers))
-            view = ChoiceLogprobs(chat) if body.logprob_count() is not None else None
-            parts, token_ids, logprobs = [], [], view.part([]) if view else None
-            try:
-                async for chunk in chain(first, life.stream):
-                    parts.append((chunk.prompt_text or "") + chunk.text)
-                    token_ids += chunk.token_ids
-                    logprobs = merge(logprobs, chunk_logprobs(view, chunk))
-                    life.last = chunk
-            except Exception as exc:
-                raise self._failure(exc, life.tier, request_id) from None
-            last = life.last
-            usage = await life.finish(last)
-            headers["x-specserve-reason"] = usage.reason       # the engine may have changed it
-            make = chat_body if chat else completion_body
-            fingerprint = system_fingerprint(self.cfg.model_name, last.fingerprint)
-            return JSONResponse(make(request_id, body.model, "".join(parts), last.finish_reason,
-                                     usage, token_ids if body.return_token_ids else None,
-                                     fingerprint, logprobs), headers=headers)
+            return await self._collect(life, first, chat, body, headers)
         return life.response            # the request ended in an error (`RequestLife`)
+
+    async def _collect(self, life: RequestLife, first, chat: bool, body, headers: dict):
+        """The whole response of a request that is not streamed: every choice's text, token
+        ids and logprobs, gathered chunk by chunk."""
+        asked = body.logprob_count() is not None
+        choices: dict[int, _Choice] = {}
+        lasts: dict[int, GenerateChunk] = {}
+        try:
+            async for chunk in chain(first, life.stream):
+                c = choices.setdefault(chunk.index, _Choice(chat, asked))
+                c.parts.append((chunk.prompt_text or "") + chunk.text)
+                c.token_ids += chunk.token_ids
+                c.logprobs = merge(c.logprobs, chunk_logprobs(c.view, chunk))
+                lasts[chunk.index] = chunk
+                life.last = combined([lasts[i] for i in sorted(lasts)])
+        except Exception as exc:
+            raise self._failure(exc, life.tier, life.request_id) from None
+        last = life.last
+        usage = await life.finish(last)
+        headers["x-specserve-reason"] = usage.reason       # the engine may have changed it
+        ids = body.return_token_ids
+        entries = [choice(chat, i, "".join(c.parts), lasts[i].finish_reason,
+                          c.token_ids if ids else None, c.logprobs)
+                   for i, c in sorted(choices.items())]
+        fingerprint = system_fingerprint(self.cfg.model_name, last.fingerprint)
+        return JSONResponse(response_body(chat, life.request_id, body.model, entries, usage,
+                                          fingerprint), headers=headers)
 
     async def _sse(self, life: RequestLife, first, chat, body, running_usage=False):
         """The response's SSE events; `life` ends the request when the stream ends."""
         model, return_ids = body.model, body.return_token_ids
-        view = ChoiceLogprobs(chat) if body.logprob_count() is not None else None
+        asked = body.logprob_count() is not None
+        views: dict[int, ChoiceLogprobs] = {}
+        lasts: dict[int, GenerateChunk] = {}
         async with life:
             try:
-                is_first, completion_tokens = True, 0
+                completion_tokens = 0
                 async for chunk in chain(first, life.stream):
-                    life.last = chunk
+                    is_first = chunk.index not in lasts
+                    lasts[chunk.index] = chunk
+                    life.last = combined([lasts[i] for i in sorted(lasts)])
                     completion_tokens += len(chunk.token_ids)
+                    view = views.setdefault(chunk.index, ChoiceLogprobs(chat)) if asked else None
                     logprobs = chunk_logprobs(view, chunk)
                     text = (chunk.prompt_text or "") + chunk.text
                     if not (text or chunk.finished or is_first or (return_ids and chunk.token_ids)
                             or (logprobs and chunk.logprobs)):
                         continue        # nothing to say yet (the detokenizer holds bytes back)
-                    usage = await life.finish(chunk) if chunk.finished else None
+                    usage = await life.finish(life.last) if chunk.done else None
                     if usage is None and running_usage:
                         usage = RunningUsage(chunk.num_prompt_tokens, completion_tokens)
-                    ids = chunk.token_ids if return_ids else None
                     fingerprint = system_fingerprint(self.cfg.model_name, chunk.fingerprint)
-                    if chat:
-                        data = chat_chunk(life.request_id, model, text, chunk.finish_reason,
-                                          usage, first=is_first, token_ids=ids,
-                                          fingerprint=fingerprint, logprobs=logprobs)
-                    else:
-                        data = completion_chunk(life.request_id, model, text, chunk.finish_reason,
-                                                usage, ids, fingerprint, logprobs)
-                    is_first = False
+                    data = stream_chunk(chat, life.request_id, model, chunk.index, text,
+                                        chunk.finish_reason, usage, is_first,
+                                        chunk.token_ids if return_ids else None, fingerprint,
+                                        logprobs)
                     yield f"data: {json.dumps(data)}\n\n"
-                    if chunk.finished:
+                    if chunk.done:
                         break
             except Exception as exc:    # mid-stream: an error event, then the end marker
                 life.error = self._failure(exc, life.tier, life.request_id)
@@ -305,6 +317,16 @@ class Ingress:
 
     async def check_health(self) -> None:
         self.live.start()     # the first health check runs on the replica's loop: start polling
+
+
+class _Choice:
+    """One choice of a response that is not streamed, as its chunks come in."""
+
+    def __init__(self, chat: bool, logprobs: bool):
+        self.parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.view = ChoiceLogprobs(chat) if logprobs else None
+        self.logprobs = self.view.part([]) if self.view else None
 
 
 IngressDeployment = serve.deployment(serve.ingress(app)(Ingress), name="Ingress")

@@ -26,7 +26,7 @@ MAX_MODEL_NAME_CHARS = 256
 MAX_STOP_STRINGS = 4              # as OpenAI
 MAX_STOP_CHARS = 256
 MAX_TOP_K = 1 << 20               # above any vocabulary: the engine clamps top_k to its vocab
-MAX_SEED = (1 << 63) - 1
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1   # any signed 64-bit integer, as vLLM
 MAX_TOKENS_HARD = (1 << 31) - 1   # the configured limit (limits.max_tokens_limit) is lower
 MAX_PROMPT_TOKEN_IDS = 1 << 17
 MAX_TOKEN_ID = (1 << 31) - 1      # the replica checks ids against its vocabulary
@@ -38,6 +38,7 @@ MAX_SCHEMA_CHARS = 1 << 16        # a response_format schema, as compact JSON te
 JSON_OBJECT_SCHEMA = '{"type": "object"}'   # response_format json_object: any JSON object
 MAX_TOP_LOGPROBS = 20             # chat's top_logprobs, as OpenAI
 MAX_COMPLETION_LOGPROBS = 5       # completions' logprobs, as OpenAI
+MAX_N = 128                       # choices, as OpenAI (the configured limit, limits.max_n, is lower)
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -47,7 +48,7 @@ StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 # only at the value that means "off" (clients such as LangChain send those), refused otherwise
 # with a 400 that names the field. Every other unknown field is refused as unrecognized.
 UNSUPPORTED_UNLESS_OFF = {
-    "n": (1,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
 }
 
@@ -117,11 +118,12 @@ class _Request(BaseModel):
 
     model: str = Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_HARD)
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)                   # 0 = off
     stop: StopString | StopList | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
@@ -290,59 +292,51 @@ def system_fingerprint(model_name: str, replica_fingerprint: str | None) -> str 
     return "fp_" + hashlib.sha256(f"{model_name}|{replica_fingerprint}".encode()).hexdigest()[:12]
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str | None,
-                    usage: Usage | None, token_ids: list[int] | None = None,
-                    fingerprint: str | None = None, logprobs: dict | None = None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
-                              "finish_reason": finish_reason}
+def choice(chat: bool, index: int, text: str, finish_reason: str | None,
+           token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+    """One entry of a response's `choices`."""
+    out: dict[str, Any] = {"index": index}
+    if chat:
+        out["message"] = {"role": "assistant", "content": text}
+    else:
+        out["text"] = text
+    out |= {"logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": model, "system_fingerprint": fingerprint, "choices": [choice]}
+        out["token_ids"] = token_ids
+    return out
+
+
+def response_body(chat: bool, request_id: str, model: str, choices: list[dict],
+                  usage: Usage | None, fingerprint: str | None = None) -> dict:
+    """A whole (not streamed) chat or completions response."""
+    body = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "system_fingerprint": fingerprint,
+            "choices": choices}
     if usage is not None:
         body["usage"] = usage.model_dump()
     return body
 
 
-def chat_body(request_id: str, model: str, text: str, finish_reason: str | None,
-              usage: Usage | None, token_ids: list[int] | None = None,
-              fingerprint: str | None = None, logprobs: dict | None = None) -> dict:
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "logprobs": logprobs, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": model, "system_fingerprint": fingerprint, "choices": [choice]}
+def stream_chunk(chat: bool, request_id: str, model: str, index: int, text: str | None,
+                 finish_reason: str | None, usage: Usage | RunningUsage | None = None,
+                 first: bool = False, token_ids: list[int] | None = None,
+                 fingerprint: str | None = None, logprobs: dict | None = None) -> dict:
+    """One SSE event's data: choice `index`'s delta (its first says the role, in chat)."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        entry: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": finish_reason}
+        if token_ids is not None:
+            entry["token_ids"] = token_ids
+    else:
+        entry = choice(False, index, text or "", finish_reason, token_ids, logprobs)
+    body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "system_fingerprint": fingerprint,
+            "choices": [entry]}
     if usage is not None:
         body["usage"] = usage.model_dump()
-    return body
-
-
-def chat_chunk(request_id: str, model: str, text: str | None, finish_reason: str | None,
-               usage: Usage | None = None, first: bool = False,
-               token_ids: list[int] | None = None, fingerprint: str | None = None,
-               logprobs: dict | None = None) -> dict:
-    delta: dict[str, Any] = {}
-    if first:
-        delta["role"] = "assistant"
-    if text:
-        delta["content"] = text
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model, "system_fingerprint": fingerprint, "choices": [choice]}
-    if usage is not None:
-        body["usage"] = usage.model_dump()
-    return body
-
-
-def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None,
-                     usage: Usage | None = None, token_ids: list[int] | None = None,
-                     fingerprint: str | None = None, logprobs: dict | None = None) -> dict:
-    body = completion_body(request_id, model, text, finish_reason, usage, token_ids, fingerprint,
-                           logprobs)
     return body
 
 

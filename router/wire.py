@@ -23,6 +23,7 @@ class GenerateRequest:
     messages: list[dict] | None = None        # chat: [{"role", "content"}]
     priority: int = 0
     echo: bool = False                        # completions: the prompt's text comes back first
+    n: int = 1                                # choices: siblings of one prompt (chunks carry index)
 
 
 @dataclass
@@ -48,6 +49,38 @@ class GenerateChunk:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     prompt_text: str | None = None
+    index: int = 0                            # the choice (sibling) this chunk belongs to
+    remaining: int = 0                        # siblings still running after this chunk
+
+    @property
+    def done(self) -> bool:
+        """The last chunk of the request: nothing follows it."""
+        return self.finished and not self.remaining
+
+
+def combined(lasts: list[GenerateChunk]) -> GenerateChunk:
+    """What the siblings of one request ran, as one cumulative chunk (for usage, billing and the
+    observer): the prompt once, as OpenAI counts it, everything generated summed."""
+    if len(lasts) == 1:
+        return lasts[0]
+    first = lasts[0]
+    total = GenerateChunk(text="", finished=all(c.finished for c in lasts),
+                          num_prompt_tokens=first.num_prompt_tokens,
+                          mode="speculative" if any(c.mode == "speculative" for c in lasts)
+                          else first.mode,
+                          reason=next((c.reason for c in lasts if c.reason), None),
+                          fingerprint=first.fingerprint)
+    for name in ("num_output_tokens", "num_speculative_tokens", "num_draft_tokens",
+                 "num_accepted_tokens", "num_draft_trials"):
+        setattr(total, name, sum(getattr(c, name) for c in lasts))
+    if total.num_draft_tokens:
+        total.acceptance_rate = total.num_accepted_tokens / total.num_draft_tokens
+        # 1 + accepted / proposals: the siblings' own, weighted by the draft tokens they proposed
+        total.mean_acceptance_length = sum((c.mean_acceptance_length or 1) * c.num_draft_tokens
+                                           for c in lasts) / total.num_draft_tokens
+    if total.num_draft_trials:
+        total.token_acceptance = total.num_accepted_tokens / total.num_draft_trials
+    return total
 
 
 class TierError(Exception):

@@ -242,3 +242,62 @@ def test_a_tier_runs_its_engine_in_a_process_of_its_own_unless_told(small, tiny_
     assert not TierModelConfig(model=model, tp_size=2).runs_engine_process
     with pytest.raises(ValidationError, match="engine_process"):
         TierModelConfig(model=model, tp_size=2, engine_process=True)
+
+
+def _by_choice(chunks):
+    tokens, finished = {}, {}
+    for c in chunks:
+        tokens.setdefault(c.index, []).extend(c.token_ids)
+        finished[c.index] = finished.get(c.index, 0) + c.finished
+    return tokens, finished
+
+
+def test_n_choices_are_seeded_siblings_that_share_the_prompt(small):
+    """n = 3: every chunk names its choice, each choice finishes once, only the very last
+    chunk is `done`; choice i is what one request with seed + i gives; siblings 1 and 2 reuse
+    sibling 0's prompt blocks (whole 64-token units, short of the last prompt token)."""
+    prompt = [5 + (11 * i) % 240 for i in range(150)]
+    sampling = {"max_tokens": 6, "temperature": 0.9, "seed": 7, "ignore_eos": True}
+    hits = small.engine.stats().prefix_cache_hits
+    chunks = _collect(small, _request(prompt_token_ids=prompt, sampling=sampling, n=3))
+    assert small.engine.stats().prefix_cache_hits - hits == 2 * 128
+    tokens, finished = _by_choice(chunks)
+    assert finished == {0: 1, 1: 1, 2: 1} and all(len(t) == 6 for t in tokens.values())
+    assert [c.done for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert [c.remaining for c in chunks if c.finished] == [2, 1, 0]
+    for i in range(3):
+        one = _collect(small, _request(prompt_token_ids=prompt, sampling={**sampling, "seed": 7 + i}))
+        assert [t for c in one for t in c.token_ids] == tokens[i]
+
+
+def test_n_choices_each_echo_the_scored_prompt(small):
+    sampling = {"max_tokens": 3, "temperature": 0, "logprobs": 1, "prompt_logprobs": 1}
+    chunks = _collect(small, _request(prompt="def add(a, b):", sampling=sampling, n=2, echo=True))
+    firsts = {}
+    for c in chunks:
+        firsts.setdefault(c.index, c)
+    assert set(firsts) == {0, 1}
+    assert firsts[0].prompt_text == firsts[1].prompt_text == "def add(a, b):"
+    assert firsts[0].prompt_logprobs == firsts[1].prompt_logprobs
+    assert len(firsts[0].prompt_logprobs) == firsts[0].num_prompt_tokens
+    tokens, _ = _by_choice(chunks)
+    assert tokens[0] == tokens[1]       # greedy: every choice is the same
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_cancelled_small_tier_stream_frees_every_sibling_at_once(small, n):
+    """The small tier's wrapper closes the stream it wraps (left to the garbage collector, the
+    sequences ran on after the client had gone)."""
+    async def run():
+        req = _request(prompt="def add(a, b):", n=n,
+                       sampling={"max_tokens": 400, "ignore_eos": True})
+        gen = small.generate(req)
+        for _ in range(4):
+            await gen.__anext__()
+        assert small.engine.stats().num_running == n
+        await gen.aclose()
+        return small.engine.stats()
+
+    stats = asyncio.run(run())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.kv_used_target_bytes == 0

@@ -32,7 +32,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "stream_options", "tools", "response_format", "unknown_field"]
 OUT_OF_RANGE = {"temperature": [2.5, -0.5, 1e9], "top_p": [0, 1.01, -1], "top_k": [-1, 2 ** 63,
                 9223372036854775808, 2 ** 21], "max_tokens": [0, -5, 2 ** 40, 10 ** 6],
-                "max_completion_tokens": [0, 2 ** 40], "n": [2, 0, 100], "seed": [-1, 2 ** 64],
+                "max_completion_tokens": [0, 2 ** 40], "n": [0, 17, 129], "seed": [-2 ** 63 - 1, 2 ** 64],
                 "presence_penalty": [5, -3, 2.01], "frequency_penalty": [2.5, -2.01],
                 "stop": [["a"] * 5, ["x" * 1000], ["\n"] * 10_000, [""]], "best_of": [4],
                 "logprobs": [6, -1], "top_logprobs": [21, -1], "echo": ["yes", 1],

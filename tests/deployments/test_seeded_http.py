@@ -192,3 +192,56 @@ def test_completion_stream_echoes_the_prompt_first(app):
     assert values[0] is None and all(v <= 0 for v in values[1:])
     assert offsets == sorted(offsets) and offsets[0] == 0
     assert len(tokens) == chunks[-1]["usage"]["prompt_tokens"] + 4
+
+
+def test_n_choices_with_the_openai_client(app, tiny_family):
+    """n = 3 on the speculative and the baseline endpoint: three choices, choice i the text a
+    single request with seed + i gives, usage summing every choice (the prompt once) and priced
+    so; streamed, each chunk names its choice, each choice finishes once and the usage comes on
+    the last chunk, equal to the body's."""
+    from router.billing import RunCounts, price_micro_usd
+    from router.config import AppConfig
+    from serving_helpers import app_config
+
+    prices = AppConfig.model_validate(app_config(tiny_family, [])).prices
+    for plan in ("premium", "standard"):
+        client = _client(app, plan)
+        req = {**_request(3), "extra_body": {"ignore_eos": True}}
+        r = client.completions.create(n=3, **req)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        singles = [client.completions.create(**{**req, "seed": SEEDS[3] + i}) for i in range(3)]
+        assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+        assert len({c.text for c in r.choices}) > 1        # sampled: the choices differ
+        assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+        assert r.usage.completion_tokens == 3 * MAX_TOKENS
+        tier = r.usage.tier
+        spec = 3 * MAX_TOKENS if tier == "speculative" else 0
+        run = RunCounts(tier, r.usage.prompt_tokens, 3 * MAX_TOKENS, spec)
+        assert round(r.usage.price_usd * 1e6) == price_micro_usd(prices, run)
+
+        stream = client.completions.create(n=3, stream=True, **req)
+        texts, finished, usage = {}, [], None
+        for chunk in stream:
+            assert usage is None                  # nothing after the usage
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                if c.finish_reason:
+                    finished.append(c.index)
+            usage = chunk.usage
+        assert sorted(finished) == [0, 1, 2] and texts == {c.index: c.text for c in r.choices}
+        assert usage.completion_tokens == 3 * MAX_TOKENS
+        assert usage.price_usd == r.usage.price_usd
+
+
+def test_n_choices_in_chat_stream_say_their_role_once_each(app):
+    client = _client(app, "premium")
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}], n=2,
+        max_tokens=5, temperature=0, stream=True)
+    roles, texts = [], {}
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.append(c.index)
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert sorted(roles) == [0, 1] and texts[0] == texts[1]     # greedy: the same text

@@ -147,3 +147,37 @@ def test_a_schema_compiles_while_other_requests_step(make_engine):
     assert "".join(o.text for o in chunks["json"]).startswith("{")
     assert "gone" not in chunks and not engine.has_unfinished() and not engine.processors.compiling
     assert scheduled == ["plain", "json"]                        # "gone" never ran
+
+
+def test_a_schema_no_token_sequence_can_write_is_refused_not_failed(tmp_path):
+    """A model whose vocabulary cannot spell JSON (a word-level tokenizer of letters only):
+    `json_object` passes the schema's check and fails only when its index is built, on the
+    compile thread. The request then ends as a refusal naming `response_format` (a 400), not as
+    an engine failure (a 503 a client would retry)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from tiny_models import make_llama
+
+    words = ["<eos>"] + [a + b for a in "abcdefgh" for b in "abcdefgh"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<eos>")
+    make_llama(tmp_path, fast, layers=1, hidden=32, heads=2, kv_heads=1, mlp=64)
+    engine = AsyncEngine(EngineConfig(str(tmp_path), None, kv_budget_bytes=1 << 20,
+                                      profile=False, num_threads=1, dtype="float32"))
+
+    async def run():
+        params = SamplingParams(max_tokens=4, json_schema=JSON_OBJECT_SCHEMA)
+        return [o async for o in engine.generate("r", [1, 2, 3], params, RequestOptions())]
+
+    import asyncio
+    try:
+        with pytest.raises(InvalidParamError) as err:
+            asyncio.run(run())
+        assert err.value.param == "response_format" and "compiled" in str(err.value)
+        assert engine.metrics().num_failed_steps == 0
+    finally:
+        engine.shutdown()

@@ -177,7 +177,7 @@ def test_request_validation():
     assert ok.stop == ["\n"] and ok.speculation == "auto" and not ok.allow_downgrade
     assert CompletionRequest.model_validate({"model": "m", "prompt": ["one"]}).prompt == "one"
     assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompt == [1, 2]
-    for bad in ({"model": "m", "prompt": "x", "n": 2}, {"model": "m", "prompt": "x", "top_p": 0},
+    for bad in ({"model": "m", "prompt": "x", "n": 0}, {"model": "m", "prompt": "x", "top_p": 0},
                 {"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": "x", "logprobs": 6},
                 {"model": "m", "prompt": "x", "speculation": "maybe"}, {"model": "m"}):
         with pytest.raises(ValidationError):

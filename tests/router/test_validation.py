@@ -43,7 +43,7 @@ def test_no_coercion(field, value):
 @pytest.mark.parametrize("field,value", [
     ("temperature", 2.01), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.5),
     ("top_k", 9223372036854775808), ("top_k", -1), ("top_k", (1 << 20) + 1),
-    ("max_tokens", 0), ("max_tokens", 2 ** 40), ("seed", -1), ("seed", 2 ** 64),
+    ("max_tokens", 0), ("max_tokens", 2 ** 40), ("seed", -2 ** 63 - 1), ("seed", 2 ** 63), ("n", 0), ("n", 129),
     ("stop", ["a", "b", "c", "d", "e"]), ("stop", ["x" * 257]), ("stop", "x" * 257),
     ("stop", [""]), ("stop", ["\n"] * 10_000), ("model", ""), ("model", "m" * 300),
 ])
@@ -61,11 +61,18 @@ def test_token_ids_are_ints_in_range():
 
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("top_logprobs", 2),
-    ("n", 2), ("best_of", 3), ("suffix", "end"), ("n", True),
+    ("best_of", 3), ("suffix", "end"),
 ])
 def test_unsupported_fields_are_refused_by_name(field, value):
     err = refused(CompletionRequest, {**OK, field: value})
     assert err.code == "unsupported_parameter" and err.param == field and field in err.message
+
+
+def test_n_is_an_integer_in_range():
+    assert validate_request(CompletionRequest, {**OK, "n": 3}).n == 3
+    assert validate_request(ChatCompletionRequest, {**CHAT, "n": 128}).n == 128
+    for value in (0, 129, True, 2.5, "2"):
+        assert refused(CompletionRequest, {**OK, "n": value}).param == "n"
 
 
 def test_chat_refuses_echo_by_name():
@@ -104,7 +111,7 @@ def test_logprob_fields_become_engine_counts():
 
 
 def test_unsupported_fields_at_their_off_value_are_accepted():
-    off = {"n": 1, "best_of": 1, "echo": False, "tools": [], "tool_choice": "none",
+    off = {"best_of": 1, "echo": False, "tools": [], "tool_choice": "none",
            "logprobs": None, "suffix": None, "user": "u",
            "stream_options": {"include_usage": True}}
     assert validate_request(CompletionRequest, {**OK, **off}).model == "m"
