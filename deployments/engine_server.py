@@ -28,6 +28,7 @@ from router.wire import GenerateChunk, TierError, GenerateRequest
 logger = logging.getLogger(__name__)
 
 ENGINE_CLASS = "engine.async_engine:AsyncEngine"
+RESTART_WINDOW_S = 600.0    # a tier's `engine_restarts` count within this window
 PROCESS_ENGINE_CLASS = "engine.engine_core:ProcessEngine"
 
 
@@ -51,8 +52,17 @@ class EngineServer:
             engine_class = PROCESS_ENGINE_CLASS
         engine_cls = import_object(engine_class) if isinstance(engine_class, str) else engine_class
         # peers: ranks 1..N-1 of a tensor-parallel target (engine.model_runner.Peers), or None.
+        started = time.monotonic()
         self.engine = engine_cls(config, peers=peers)
+        self.start_s = time.monotonic() - started      # what a restart is expected to take
         self.tokenizer = self.engine.tokenizer
+        # An engine in a process of its own restarts in place when that process dies
+        # (`_revive`); an in-process engine or a tensor-parallel group is Serve's to replace.
+        self._engine_cls = engine_cls
+        self.restartable = peers is None and getattr(engine_cls, "restartable", False)
+        self._restart: asyncio.Task | None = None
+        self._restart_began = 0.0
+        self.restarts: list[float] = []                # when each in-place restart began
         self.metrics = ReplicaMetrics(self.kind)
         self._stats_period_s = stats_period_s
         self._exporter: asyncio.Task | None = None
@@ -87,10 +97,60 @@ class EngineServer:
     def engine_alive(self) -> bool:
         return getattr(self.engine, "is_alive", True)
 
-    def check_health(self) -> None:
-        """Serve calls this periodically; a dead engine loop fails it, so Serve replaces us."""
-        if not self.engine_alive:
+    async def check_health(self) -> None:
+        """Serve calls this periodically. A dead engine that is restarting in place, or can,
+        passes; one that cannot (in-process, or its `engine_restarts` used up) fails, so Serve replaces
+        the replica."""
+        if not self.engine_alive and not self._revive():
             raise RuntimeError(f"the engine loop stopped: {getattr(self.engine, 'error', None)!r}")
+
+    # -- in-place restart ---------------------------------------------------------------------
+    def _revive(self) -> bool:
+        """Start restarting a dead engine process if allowed; True while a restart runs."""
+        if self._restart is not None and not self._restart.done():
+            return True
+        if self.engine_alive or not self.restartable:
+            return False
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        if len(self.restarts) >= self.tier.engine_restarts:
+            return False
+        self.restarts.append(now)
+        self._restart_began = now
+        self._restart = asyncio.get_running_loop().create_task(self._restart_engine())
+        return True
+
+    async def _restart_engine(self) -> None:
+        """A new engine process on the same config and draft (a swapped one stays swapped): it
+        reads the weights again (from the page cache) and its step-cost profile from its cache."""
+        import dataclasses as dc
+
+        old = self.engine
+        config = self.tier.engine_config()
+        if getattr(old, "draft_path", None):
+            config = dc.replace(config, draft=old.draft_path)
+        logger.warning("the engine process died (%r); restarting it in place", old.error)
+        with contextlib.suppress(Exception):
+            old.shutdown()
+        try:
+            self.engine = await asyncio.to_thread(self._engine_cls, config)
+        except Exception:
+            logger.exception("restarting the engine failed")
+            return
+        self.tokenizer = self.engine.tokenizer
+        logger.warning("the engine serves again, %.1f s after it was found dead",
+                       time.monotonic() - self._restart_began)
+
+    def _down(self, request_id: str) -> TierError:
+        """What a request that finds the engine dead is told: retry after the expected
+        recovery if the engine is restarting, else when Serve has replaced the replica."""
+        if self._revive():
+            left = max(1.0, self.start_s - (time.monotonic() - self._restart_began))
+            return TierError(503, f"this replica's engine is restarting; retry in {left:.0f} s",
+                             type_="server_error", code="replica_restarting", retry_after=left)
+        logger.error("request %s: the engine loop is dead", request_id)
+        return TierError(503, "this replica's engine stopped; retry (it is being replaced)",
+                         type_="server_error", code="replica_failed")
 
     async def ready(self) -> dict:
         self._start_exporter()
@@ -105,6 +165,8 @@ class EngineServer:
         thread: the engine process answers between two steps, and Serve runs this on the
         replica's event loop (with user code on its main loop, `cluster/launch/ray_local.py`,
         a blocking call here would stall every stream of the replica for up to a step)."""
+        if not self.engine_alive:
+            self._revive()
         return await asyncio.to_thread(self.engine.stats)
 
     async def stats(self) -> dict:
@@ -112,7 +174,8 @@ class EngineServer:
         from dataclasses import asdict
 
         stats, metrics = await asyncio.to_thread(self._snapshot)
-        return {"stats": asdict(stats), "metrics": asdict(metrics), "pid": os.getpid()}
+        return {"stats": asdict(stats), "metrics": asdict(metrics), "pid": os.getpid(),
+                "engine_pid": getattr(self.engine, "pid", None), "restarts": len(self.restarts)}
 
     async def inject_fault(self, kind: str, count: int = 1, after: int = 0) -> None:
         """TEST ONLY: arm a real fault in the engine (refused unless the tier's engine_args set
@@ -267,9 +330,7 @@ class EngineServer:
             raise TierError(503, f"{exc} (request {req.request_id})", type_="server_error",
                             code="engine_error") from None
         except engine_dead:
-            logger.error("request %s: the engine loop is dead", req.request_id)
-            raise TierError(503, "this replica's engine stopped; retry (it is being replaced)",
-                            type_="server_error", code="replica_failed") from None
+            raise self._down(req.request_id) from None
         except ValueError as exc:      # InvalidParamError names its field
             raise TierError(400, str(exc), param=getattr(exc, "param", None)) from None
         finally:

@@ -35,10 +35,10 @@ class TargetServer(EngineServer):
         self.tp_group.wait_ready()
         self.tp_group.watch(engine_alive=lambda: self.engine_alive)
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         if self.tp_group.failed:
             raise RuntimeError(self.tp_group.failed)
-        super().check_health()
+        await super().check_health()
 
     async def tp_rank_pids(self) -> list[int]:
         """Process ids of ranks 1..N-1 (tests kill one to check the group is rebuilt)."""

@@ -143,6 +143,8 @@ class ProcessEngine(StreamingFront):
     """`AsyncEngine`'s API with the step loop in a child process (tp_size 1 only: the ranks
     of a tensor-parallel target are Ray actors that rank 0's engine drives in-process)."""
 
+    restartable = True      # its death leaves the replica whole: a new one can start in place
+
     def __init__(self, config: EngineConfig, peers=None):
         if peers is not None:
             raise ValueError("a tensor-parallel target runs its engine in the replica's process")

@@ -58,6 +58,9 @@ class TierModelConfig(_Strict):
         "its own (engine/engine_core.py), away from the replica's event loop, Ray's threads and "
         "the GIL; None: yes where tp_size is 1 (a tensor-parallel target's rank 0 drives its "
         "peers in the replica's process)")
+    engine_restarts: int = Field(3, ge=0, description="in-place restarts of a dead engine "
+        "process within 10 minutes (the replica routes around itself meanwhile); past them, or "
+        "with 0, the replica fails its health check and Serve replaces it")
     max_ongoing_requests: int | None = Field(None, ge=1, description="Serve: concurrent "
         "requests per replica; None: the engine's own bound (max_num_seqs + max_waiting) and "
         "room for requests in transit (`serve_max_ongoing`)")

@@ -125,7 +125,8 @@ class Ingress:
             logger.error("request %s: the %s tier failed", request_id, tier, exc_info=exc)
             return HTTPError(503, f"the {tier} tier failed while serving request {request_id}; "
                              "retry", "replica_failed", headers={"Retry-After": self.retry_after})
-        headers = {"Retry-After": self.retry_after} if err.status in (429, 503) else None
+        retry = str(math.ceil(err.retry_after)) if err.retry_after else self.retry_after
+        headers = {"Retry-After": retry} if err.status in (429, 503) else None
         return HTTPError(err.status, err.message, err.code, err.param, headers)
 
     def _decide(self, plan: str, body, text: str, prompt_len: int, max_tokens: int):

@@ -56,10 +56,12 @@ class Observer:
         self.samples: deque[float] = deque(maxlen=RECENT_REQUESTS)
         self.output_lengths: deque[int] = deque(maxlen=RECENT_REQUESTS)
         self.prices: dict[tuple[str, str], deque] = {}     # (kind, replica) -> (time, spec_scale)
+        self.seen: dict[str, bool] = {}     # kind -> a replica of it has reported (it has started)
 
     # -- in -----------------------------------------------------------------------------------
     def report(self, replica_id: str, stats: EngineStats, kind: str = "target") -> None:
         self.replicas.setdefault(kind, {})[replica_id] = stats
+        self.seen[kind] = True
         if stats.cost is not None:
             seen = self.prices.setdefault((kind, replica_id), deque(maxlen=PRICE_SAMPLES))
             if not seen or stats.time > seen[-1][0]:         # a new report, not a repeat
@@ -141,8 +143,8 @@ class Observer:
     def _tier(self, kind: str) -> TierStats:
         queued = self.num_queued.get(kind, 0)
         s = self.next_replica(kind)
-        if s is None:
-            return TierStats(queue_depth=queued)
+        if s is None:       # none known: none yet (starting), or every one gone
+            return TierStats(queue_depth=queued, available=not self.seen.get(kind, False))
         replica_id = next(r for r, x in self.replicas[kind].items() if x is s)
         draft_kv = s.draft_kv_bytes_per_token if kind == "target" else 0.0
         n = len(self.output_lengths)
@@ -157,7 +159,7 @@ class Observer:
             acceptance_samples=tuple(self.samples),
             mean_output_tokens=sum(self.output_lengths) / n if n else 0.0,
             cost=self._cost(kind, replica_id, s) if draft_kv > 0 else None,
-            drafting_loses=s.drafting_pays is False)
+            drafting_loses=s.drafting_pays is False, available=s.available)
 
 
 def _tier_health(replicas: dict, profile: bool = False) -> dict:

@@ -6,6 +6,10 @@ in and out (`decision.state` is the state for the next call); there are no globa
 Imports neither torch nor Ray; knows nothing about HTTP, replicas or how stats are gathered.
 
 Rules, first match wins (reasons are machine-readable and returned to the caller):
+  small tier down, plan economy -> baseline  tier_down  (at the economy price)
+  target down, the caller allows a downgrade, small up -> small  tier_down
+                           (else the request goes to the target, whose replica answers 503
+                           with the expected recovery as Retry-After)
   plan economy           -> small      plan_economy      (never speculates, so `off` holds)
   speculation=off        -> baseline   speculation_off   (always honoured)
   premium / speculation=on -> speculative plan_premium | speculation_on, unless the target
@@ -43,7 +47,7 @@ SPECULATION = ("auto", "on", "off")
 TIERS = ("speculative", "baseline", "small")
 REASONS = ("speculation_off", "plan_economy", "plan_premium", "speculation_on", "no_draft",
            "kv_headroom", "queue_deep", "plan_standard", "drafting_loses", "acceptance_low",
-           "speculation_pays")
+           "speculation_pays", "tier_down")
 
 
 @dataclass(frozen=True)
@@ -109,11 +113,17 @@ class Decision:
 
 def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
                 config: PolicyConfig = PolicyConfig()) -> Decision:
+    small, target = stats.small, stats.target
+    if request.plan == "economy" and small is not None and not small.available \
+            and target.available:
+        return Decision("baseline", 0, "tier_down", state)
+    if not target.available and request.allow_downgrade and small is not None \
+            and small.available:
+        return Decision("small", 0, "tier_down", state)
     if request.plan == "economy":       # the small tier never speculates: `off` holds there too
         return Decision("small", 0, "plan_economy", state)
     if request.speculation == "off":
         return Decision("baseline", 0, "speculation_off", state)
-    target = stats.target
     if request.plan == "premium" or request.speculation == "on":
         blocked = _speculation_blocked(request, target, config)
         if blocked:

@@ -37,6 +37,8 @@ class TierStats:
     cost: StepCostModel | None = None  # step-time model; None: no draft, cannot speculate
     drafting_loses: bool = False  # the engine measured drafting delivering less than plain
     #   decoding at its live acceptance (engine/goodput.py)
+    available: bool = True  # False: every replica of the tier reported itself down (its engine
+    #   restarting or dead), or the tier has none left
 
     def __post_init__(self) -> None:
         if min(self.decode_batch_size, self.num_speculating, self.queue_depth) < 0:

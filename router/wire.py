@@ -87,13 +87,15 @@ class TierError(Exception):
     """An error a replica reports to the client: HTTP status, OpenAI error type and code."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
-        super().__init__(status, message, type_, code, param)
+                 code: str | None = None, param: str | None = None,
+                 retry_after: float | None = None):
+        super().__init__(status, message, type_, code, param, retry_after)
         self.status = status
         self.message = message
         self.type = type_
         self.code = code
         self.param = param
+        self.retry_after = retry_after         # seconds (a 503's expected recovery), if known
 
     def __str__(self) -> str:
         return self.message

@@ -155,7 +155,7 @@ def test_a_failed_request_is_503_and_the_replica_serves_on(tiny_family):
             _collect(server, _request(prompt="x", sampling={"max_tokens": 4, "temperature": 1.0}))
         assert err.value.status == 503 and err.value.code == "engine_error"
         assert "injected" not in err.value.message       # no exception text to the client
-        server.check_health()
+        asyncio.run(server.check_health())
         assert asyncio.run(server.record_routing_stats()).available is True
         assert _collect(server, _request(prompt="def add(a, b):"))[-1].finished
         assert server.engine.stats().kv_used_target_bytes == 0
@@ -187,20 +187,23 @@ def test_a_failing_draft_continues_in_baseline_with_its_reason(tiny_family):
 
 
 def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
+    """Without in-place restarts (engine_restarts 0): a dead engine is a 503 `replica_failed`,
+    fails the health check (Serve replaces the replica) and reports itself unavailable."""
     from dataclasses import replace
 
     from router.live_stats import _load_key
     from router.observer import Observer
 
-    server = _server(SmallServer, tiny_family, engine_args={"fault_injection": True})
+    server = _server(SmallServer, tiny_family, engine_args={"fault_injection": True},
+                     engine_restarts=0)
     try:
-        server.check_health()
+        asyncio.run(server.check_health())
         server.engine.inject_fault("engine_crash")
         with pytest.raises(TierError) as err:
             _collect(server, _request(prompt="hi"))
         assert err.value.status == 503 and err.value.code == "replica_failed"
         with pytest.raises(RuntimeError, match="engine loop stopped"):
-            server.check_health()
+            asyncio.run(server.check_health())
         dead = asyncio.run(server.record_routing_stats())
         assert dead.available is False and dead.num_running == 0
 
@@ -214,6 +217,44 @@ def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
         observer.report("dead", dead, "small")
         observer.report("busy", busy, "small")
         assert observer.next_replica("small") is busy
+    finally:
+        server.engine.shutdown()
+
+
+def test_a_dead_engine_process_restarts_in_place(tiny_family):
+    """The engine process crashes: requests meanwhile get a 503 `replica_restarting` with the
+    expected recovery as Retry-After, the replica stays healthy and reports itself unavailable,
+    and a new engine process (same replica) serves again; past `engine_restarts` in the window
+    the health check fails, so Serve replaces the replica."""
+    server = _server(SmallServer, tiny_family, engine_args={"fault_injection": True},
+                     engine_restarts=1)
+
+    async def run():
+        first_pid = server.engine.pid
+        server.engine.inject_fault("engine_crash")
+        with pytest.raises(TierError) as err:
+            async for _ in server.generate(_request(prompt="hi")):
+                pass
+        assert err.value.status == 503 and err.value.code == "replica_restarting"
+        assert err.value.retry_after >= 1
+        await server.check_health()                        # restarting: healthy
+        assert (await server.record_routing_stats()).available is False
+        while not server.engine_alive:
+            await server.check_health()
+            await asyncio.sleep(0.1)
+        chunks = [c async for c in server.generate(_request(prompt="hi"))]
+        assert chunks[-1].finished and server.engine.pid != first_pid
+        assert (await server.stats())["restarts"] == 1
+        server.engine.inject_fault("engine_crash")          # a second death in the window
+        with pytest.raises(TierError) as err:
+            async for _ in server.generate(_request(prompt="hi")):
+                pass
+        assert err.value.code == "replica_failed"
+        with pytest.raises(RuntimeError, match="engine loop stopped"):
+            await server.check_health()
+
+    try:
+        asyncio.run(run())
     finally:
         server.engine.shutdown()
 

@@ -318,3 +318,34 @@ def test_processing_errors_answer_400_naming_the_field(app):
                 assert err["param"] == param, (plan, extra, err)
             assert client.post(ENDPOINTS[plan] + "/completions", json={
                 "model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_killed_target_engine_restarts_in_place_while_the_router_goes_around_it(app):
+    """Last in the module (it kills the target's engine process, SIGKILL as the OOM killer
+    would): the replica starts a new engine process in place (same replica process, no Serve
+    replacement); meanwhile a caller who allows a downgrade is served by the small tier
+    (`tier_down`), the others get a 503 with Retry-After, and the target serves again."""
+    import os
+    import signal
+
+    target = app.handle("TargetServer")
+    before = target.stats.remote().result(timeout_s=30)
+    os.kill(before["engine_pid"], signal.SIGKILL)
+    killed, reasons, refused = time.time(), set(), 0
+    while True:
+        r = _completion(app, "auto", allow_downgrade=True)
+        if r.status_code == 200:
+            reasons.add((r.headers["x-specserve-tier"], r.headers["x-specserve-reason"]))
+        r = _completion(app, "premium")
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+        refused += 1
+        assert time.time() - killed < 60, "the target did not serve again within 60 s"
+        time.sleep(0.2)
+    print(f"target serving again {time.time() - killed:.1f} s after the kill; "
+          f"{refused} premium requests refused meanwhile; seen {sorted(reasons)}")
+    after = target.stats.remote().result(timeout_s=30)
+    assert after["pid"] == before["pid"] and after["engine_pid"] != before["engine_pid"]
+    assert after["restarts"] == 1
+    assert ("small", "tier_down") in reasons and refused > 0

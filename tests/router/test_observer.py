@@ -232,3 +232,26 @@ def test_health_shows_the_prefix_cache_hit_rate_over_the_replicas():
     assert target["prefix_cache_hit_rate"] == 0.25
     obs.report("c", engine_stats(), "small")
     assert obs.health()["small"]["prefix_cache_hit_rate"] is None   # nothing looked up yet
+
+
+def test_a_tier_is_down_when_every_replica_says_so_or_none_is_left():
+    """Available while starting (nothing reported yet) and while one replica is up; down when
+    every replica reports itself unavailable (its engine restarting) or all have gone. The
+    policy then sends a caller who allows it around the tier."""
+    obs = Observer()
+    assert obs.cluster_stats().target.available            # starting: nothing known yet
+    obs.report("a", engine_stats(available=False))
+    obs.report("b", engine_stats())
+    assert obs.cluster_stats().target.available
+    obs.report("b", engine_stats(available=False))
+    assert not obs.cluster_stats().target.available
+    obs.report("s", engine_stats(cost=None, draft_kv_bytes_per_token=0.0), "small")
+    d = choose_tier(TierRequest(allow_downgrade=True), obs.cluster_stats(), PolicyState())
+    assert (d.tier, d.reason) == ("small", "tier_down")
+    obs.report("a", engine_stats())
+    assert obs.cluster_stats().target.available
+    obs.retain("target", [])
+    assert not obs.cluster_stats().target.available         # every replica gone
+    obs.retain("small", [])
+    d = choose_tier(TierRequest(plan="economy"), obs.cluster_stats(), PolicyState())
+    assert (d.tier, d.reason) == ("small", "plan_economy")   # both down: its own tier

@@ -22,11 +22,11 @@ def target(**kw) -> TierStats:
     return TierStats(**{**base, **kw})
 
 
-def cluster(small_queue: int | None = 0, **kw) -> ClusterStats:
+def cluster(small_queue: int | None = 0, small_up: bool = True, **kw) -> ClusterStats:
     t = target(**kw)
     tiers = {"speculative": t, "baseline": t}
     if small_queue is not None:
-        tiers["small"] = TierStats(queue_depth=small_queue)
+        tiers["small"] = TierStats(queue_depth=small_queue, available=small_up)
     return ClusterStats(tiers)
 
 
@@ -64,6 +64,20 @@ TABLE = [
      "speculative", "speculation_pays"),
     (req(), cluster(), STATE, "speculative", "speculation_pays"),
     (req(), cluster(decode_batch_size=8, num_speculating=8, context_tokens=8 * 800), STATE,
+     "speculative", "speculation_pays"),
+    # a tier down: around it where the caller's plan allows, else to it (its replica answers
+    # 503 with the expected recovery as Retry-After)
+    (req(plan="economy"), cluster(small_up=False), STATE, "baseline", "tier_down"),
+    (req(plan="economy"), cluster(small_up=False, available=False), STATE, "small",
+     "plan_economy"),
+    (req(allow_downgrade=True), cluster(available=False), STATE, "small", "tier_down"),
+    (req(plan="premium", allow_downgrade=True), cluster(available=False), STATE, "small",
+     "tier_down"),
+    (req(allow_downgrade=True), cluster(available=False, small_up=False), STATE, "speculative",
+     "speculation_pays"),
+    (req(), cluster(available=False), STATE, "speculative", "speculation_pays"),
+    (req(plan="standard"), cluster(available=False), STATE, "baseline", "plan_standard"),
+    (req(allow_downgrade=True), cluster(small_queue=None, available=False), STATE,
      "speculative", "speculation_pays"),
 ]
 
@@ -139,8 +153,11 @@ def test_speculation_off_is_always_honoured(plan):
         for state in ALL_STATES:
             for downgrade in (False, True):
                 d = choose_tier(req(plan=plan, speculation="off", allow_downgrade=downgrade), stats, state)
-                # Never speculative; an economy caller keeps the cheaper small tier.
-                assert d.tier == ("small" if plan == "economy" else "baseline") and d.k_max == 0
+                # Never speculative; an economy caller keeps the cheaper small tier (unless a
+                # tier is down: then the other non-speculative one).
+                assert d.tier != "speculative" and d.k_max == 0
+                if d.reason != "tier_down":
+                    assert d.tier == ("small" if plan == "economy" else "baseline")
 
 
 @pytest.mark.parametrize("plan", ["premium", "standard", "auto"])
