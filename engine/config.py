@@ -56,6 +56,9 @@ class EngineConfig:
     tp_size: int = 1
     profile: bool = True                 # measure the step-cost model at start (cached)
     cost_cache_dir: str | None = None    # None: ~/.cache/specserve/costs
+    # oneDNN row plans, one file per projection shape and machine (models/cpu_linear.py);
+    # None: ~/.cache/specserve/rowplans, "": built at every start, not kept
+    row_plan_dir: str | None = None
     prior_acceptance: float = 0.7        # acceptance assumed before any is measured
     seed: int = 0
     fault_injection: bool = False        # TEST ONLY: allow inject_fault (engine/faults.py)

@@ -34,6 +34,7 @@ from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
 from engine.spec_decode import StepResult, StepTimes, step
 from engine.step_cost import step_parts
+from models.cpu_linear import plan_dir
 from models.loader import check_compatible, load_served
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class LLMEngine:
             check_compatible(self.target_model, self.draft_model)
         self.target_fw = self.target_model.forward
         self.draft_fw = self.draft_model.forward if self.draft_model else None
+        self.plan_dir = plan_dir(config.row_plan_dir)
         t, d = self.target_fw.shape, self.draft_fw.shape if self.draft_fw else None
         self.max_model_len = config.max_model_len or self.target_model.config.max_position_embeddings
         budget = config.kv_budget_bytes or self._planned_kv_budget()
@@ -75,8 +77,10 @@ class LLMEngine:
         self.peers = peers
         self.group_error: TPGroupError | None = None
         self.target = ModelRunner(self.target_fw, pool.layers(pool.target), peers, config.attention,
-                                  zeroed=pool.take_zeroed if peers is not None else None)
-        self.draft = (ModelRunner(self.draft_fw, pool.layers(pool.draft), attention=config.attention)
+                                  zeroed=pool.take_zeroed if peers is not None else None,
+                                  plan_dir=self.plan_dir)
+        self.draft = (ModelRunner(self.draft_fw, pool.layers(pool.draft), attention=config.attention,
+                                  plan_dir=self.plan_dir)
                       if self.draft_fw else None)
         self.faults = Faults() if config.fault_injection else None    # test-only hook
         self.delays = Delays() if config.fault_injection else None
@@ -396,7 +400,7 @@ class LLMEngine:
         new = load_served(path, self.config.dtype, self.config.device)
         check_compatible(self.target_model, new)
         forward = new.forward
-        forward.build_kernels()       # here, not in the swap: the swap holds the step lock
+        forward.build_kernels(self.plan_dir)   # here, not in the swap: it holds the step lock
         old = self.draft_fw.shape if self.draft_fw else None
         s = forward.shape
         if old is None or (s.num_layers, s.num_kv_heads, s.head_dim) != (old.num_layers, old.num_kv_heads, old.head_dim):
@@ -411,7 +415,8 @@ class LLMEngine:
         new, forward = loaded
         self.draft_model, self.draft_fw = new, forward
         pool = self.pool
-        self.draft = ModelRunner(forward, pool.layers(pool.draft), attention=self.config.attention)
+        self.draft = ModelRunner(forward, pool.layers(pool.draft), attention=self.config.attention,
+                                 plan_dir=self.plan_dir)
         self.scheduler.new_draft(self.draft_swaps + 1)     # cached draft blocks are stale
         for seq in self.seqs.values():
             self.scheduler.reset_draft(seq)

@@ -48,7 +48,7 @@ class Peers(Protocol):
 class ModelRunner:
     def __init__(self, forward, layers: list[tuple[torch.Tensor, torch.Tensor]],
                  peers: Peers | None = None, attention: str = "fused",
-                 zeroed: Callable[[], list[int]] | None = None):
+                 zeroed: Callable[[], list[int]] | None = None, plan_dir=None):
         self.forward = forward            # models.llama.LlamaForward
         self.layers = layers              # per layer (K, V) views of the pool (BlockPool.layers)
         self.peers = peers
@@ -61,7 +61,7 @@ class ModelRunner:
         self.fused = attention == "fused" and self.device.type == "cpu"
         if self.fused:
             self._build_fused()
-        forward.build_kernels()
+        forward.build_kernels(plan_dir)
 
     @torch.inference_mode()
     def _build_fused(self) -> None:

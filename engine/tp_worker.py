@@ -23,6 +23,7 @@ from engine.attention import SeqSlice
 from engine.faults import Faults
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
+from models.cpu_linear import plan_dir
 from models.loader import load_served
 
 COLLECTIVE_TIMEOUT_S = 30
@@ -99,7 +100,7 @@ def rank_options(config) -> dict:
     the ranks and rank 0 cannot be told different things."""
     return {"target": config.target, "dtype": config.dtype, "device": config.device,
             "attention": config.attention, "num_threads": config.num_threads,
-            "fault_injection": config.fault_injection}
+            "fault_injection": config.fault_injection, "row_plan_dir": config.row_plan_dir}
 
 
 class TPWorker:
@@ -107,8 +108,9 @@ class TPWorker:
 
     def __init__(self, rank: int, world: int, init_method: str, target: str, dtype: str,
                  device: str, num_threads: int = 1, attention: str = "fused",
-                 fault_injection: bool = False):
+                 fault_injection: bool = False, row_plan_dir: str | None = None):
         torch.set_num_threads(num_threads)
+        self.plan_dir = plan_dir(row_plan_dir)
         all_reduce = init_tp(rank, world, init_method, device)
         self.rank = rank
         _import_architecture(target)         # a fixed cost of the process, not of the shard
@@ -146,7 +148,7 @@ class TPWorker:
         assert self.pool.num_blocks == num_blocks
         assert self.pool.target.tokens_per_block == tokens_per_block
         self.runner = ModelRunner(self.forward, self.pool.layers(self.pool.target),
-                                  attention=self.attention)
+                                  attention=self.attention, plan_dir=self.plan_dir)
         self.load_memory["peak_with_kernels"] = peak_resident_bytes()
 
     def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple],

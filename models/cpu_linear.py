@@ -10,8 +10,12 @@ Does not own the model's math (`models/llama.py`) nor GPU projections (plain `F.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +66,7 @@ EXACT_ROWS = 16
 PROBE_ROWS = 2048    # row counts tried for bit-exact rows (`RowPlan`); the LM head's up to
 PROBE_LOGIT_ROWS = 512   # (a step's logit rows: its sequences' 1 + k); beyond, in pieces
 ALONE_ROWS = 256     # rows a plan computes one at a time, the reference for calls up to that
+PLAN_FORMAT = 1      # the row-plan file layout (`Linear._cached_plan`)
 
 
 def _timed(run, x: torch.Tensor) -> float:
@@ -124,6 +129,26 @@ class RowPlan:
             self.plans[m], best[m] = min(options, key=lambda o: o[1])
         self.max_rows, self.largest = buckets[-1], self.good[-1]
 
+    def to_dict(self) -> dict:
+        return {"good": self.good, "plans": {str(m): list(c) for m, c in self.plans.items()},
+                "max_rows": self.max_rows, "largest": self.largest}
+
+    @classmethod
+    def from_dict(cls, data: dict, run) -> "RowPlan":
+        """A plan built before on this machine (`plan_key`); builds oneDNN's kernel for each of
+        its good buckets, as building the plan does, so that no step builds one."""
+        plan = cls.__new__(cls)
+        plan.good = [int(m) for m in data["good"]]
+        plan.plans = {int(m): tuple(int(c) for c in calls) for m, calls in data["plans"].items()}
+        plan.max_rows, plan.largest = int(data["max_rows"]), int(data["largest"])
+        if not plan.good or plan.largest not in plan.good or any(
+                c not in plan.good for calls in plan.plans.values() for c in calls):
+            raise ValueError("a cached row plan that calls row counts it did not find exact")
+        width = data["width"]
+        for m in plan.good:
+            run(torch.zeros(m, width, dtype=data["dtype"]))
+        return plan
+
     def calls(self, rows: int) -> tuple[int, ...]:
         """The row counts to call at (good buckets), in order, covering `rows`."""
         if rows <= self.max_rows:                     # every step's case: one lookup
@@ -143,13 +168,51 @@ def prepare(weight: torch.Tensor, kernel: str) -> torch.Tensor:
 
 
 
+@lru_cache(maxsize=1)
+def _machine() -> str:
+    """What oneDNN's choice of kernel can depend on besides the call: the CPU (its model and
+    instruction-set flags), torch and its oneDNN build."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read().split("\n\n")[0]
+        cpu = "|".join(line for line in info.splitlines()
+                       if line.startswith(("model name", "flags", "vendor_id", "cpu family")))
+    except OSError:
+        import platform
+        cpu = platform.processor() + platform.machine()
+    return f"{cpu}|{torch.__version__}|{torch.__config__.show()}"
+
+
+def plan_dir(setting: str | None) -> Path | None:
+    """Where row plans are kept: `setting` (EngineConfig.row_plan_dir), by default
+    ~/.cache/specserve/rowplans; "" keeps none."""
+    if setting == "":
+        return None
+    return Path(setting) if setting else Path.home() / ".cache" / "specserve" / "rowplans"
+
+
+def plan_key(shape: tuple, bias: bool, dtype: torch.dtype, max_rows: int) -> str:
+    """A row plan's cache key: everything its exactness and its kernels depend on (this
+    machine, torch's threads, the projection's shape and dtype, the rows it covers)."""
+    parts = [_machine(), str(torch.get_num_threads()), str(tuple(shape)), str(bias), str(dtype),
+             str(max_rows), str(EXACT_ROWS), str(ALONE_ROWS), str(PLAN_FORMAT)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
 class Linear:
     """Runs projections with one kernel for a device and dtype: "onednn" (row plans), "mkl"
-    ([in, out] weights, x @ W) or "torch" (`F.linear`, every GPU)."""
+    ([in, out] weights, x @ W) or "torch" (`F.linear`, every GPU).
+
+    Row plans are kept on disk (`plan_dir`), one file per `plan_key`: building them tries every
+    bucket for exact rows and times it (seconds a model), loading one builds only the kernels
+    of its good buckets. A plan file from another machine, torch or thread count has another
+    key, so it is never read (docs/decisions/0005-onednn-row-plans.md)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.kernel = cpu_kernel(dtype) if device.type == "cpu" else "torch"
         self.dtype = dtype
+        self.plan_dir: Path | None = None       # where row plans are cached; None: not cached
         # oneDNN: per projection shape, the calls that keep every row bit-exact (`RowPlan`),
         # and each weight's plan by identity (the step's lookup; a shape's layers share one)
         self.row_plans: dict[tuple, RowPlan] = {}
@@ -177,11 +240,32 @@ class Linear:
         key = (tuple(weight.shape), bias is None)    # [out, in], reordered too
         if key not in self.row_plans:
             with torch.inference_mode():
-                self.row_plans[key] = RowPlan(
+                self.row_plans[key] = self._cached_plan(
                     lambda x, w=weight, b=bias: self._onednn(x, w, b, x.shape[0]),
-                    weight.shape[1], self.dtype, max_rows)
+                    tuple(weight.shape), bias is None, max_rows)
         self._plan_of[id(weight)] = self.row_plans[key]
         return self.row_plans[key]
+
+    def _cached_plan(self, run, shape: tuple, no_bias: bool, max_rows: int) -> RowPlan:
+        """The plan from `plan_dir` if one was built for this key, else built (and kept)."""
+        path = None
+        if self.plan_dir is not None:
+            path = Path(self.plan_dir) / f"{plan_key(shape, not no_bias, self.dtype, max_rows)}.json"
+            try:
+                data = json.loads(path.read_text())
+                return RowPlan.from_dict({**data, "width": shape[1], "dtype": self.dtype}, run)
+            except (OSError, ValueError, KeyError, TypeError):
+                pass                               # none yet, or unreadable: build it
+        plan = RowPlan(run, shape[1], self.dtype, max_rows)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(plan.to_dict()))
+                tmp.replace(path)                  # atomic: a reader sees a whole file or none
+            except OSError:
+                pass
+        return plan
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:

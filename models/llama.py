@@ -216,9 +216,12 @@ class LlamaForward:
     def row_plans(self) -> dict:
         return self.linear.row_plans
 
-    def build_kernels(self) -> None:
+    def build_kernels(self, plan_dir=None) -> None:
         """Build what the projections run on (oneDNN's row plans and kernels): at engine start,
-        after every weight is loaded, never in a step."""
+        after every weight is loaded, never in a step. `plan_dir`: where row plans are kept
+        across starts (`models/cpu_linear.py: Linear`)."""
+        if plan_dir is not None:
+            self.linear.plan_dir = plan_dir
         self.linear.build_plans()
 
     def weight_bytes(self) -> int:

@@ -161,3 +161,50 @@ def test_a_row_plan_keeps_its_calls_to_row_counts_that_are_built_and_exact(wide_
             calls.clear()
             fw._linear(torch.zeros(rows, weight.shape[1], dtype=torch.bfloat16), weight, bias)
             assert all(m in plan.good for m, _ in calls), (rows, calls)
+
+
+def test_a_row_plan_read_back_from_its_file_is_the_plan_built(wide_mlp, tmp_path):
+    """The first build keeps each projection's plan in a file; a second forward reads it (and
+    builds no plan) and runs every row count with the same calls and the same bits. A plan of
+    another thread count, or an unreadable file, is built again."""
+    from models import cpu_linear
+    from models.cpu_linear import RowPlan
+    from models.loader import load_served
+
+    def forward():
+        fw = load_served(wide_mlp, torch.bfloat16, tokenizer=False).forward    # kernels not built
+        fw.build_kernels(tmp_path)
+        return fw
+
+    built = forward()
+    if built.kernel != "onednn":
+        pytest.skip("oneDNN projections only")
+    files = sorted(tmp_path.glob("*.json"))
+    assert len(files) == len(built.row_plans) > 0
+    calls = []
+    real_init = RowPlan.__init__
+    RowPlan.__init__ = lambda self, *a: calls.append(a) or real_init(self, *a)
+    try:
+        read = forward()
+        assert calls == []                              # every plan came from its file
+        for key, plan in built.row_plans.items():
+            assert read.row_plans[key].good == plan.good and read.row_plans[key].plans == plan.plans
+        layer, x = read.layers[0], torch.randn(300, built.layers[0].down.shape[1]).bfloat16()
+        for rows in (1, 17, 37, 300):
+            assert torch.equal(read._linear(x[:rows], layer.down, layer.down_bias),
+                               built._linear(x[:rows], built.layers[0].down,
+                                             built.layers[0].down_bias))
+        files[0].write_text("{not json")
+        threads = torch.get_num_threads()
+        forward()
+        assert len(calls) == 1                          # the unreadable one only
+        torch.set_num_threads(threads + 1)
+        try:
+            forward()
+        finally:
+            torch.set_num_threads(threads)
+        assert len(calls) == 1 + len(built.row_plans)   # another key: all built again
+    finally:
+        RowPlan.__init__ = real_init
+    assert cpu_linear.plan_key((4, 8), False, torch.float32, 16) != \
+        cpu_linear.plan_key((4, 8), True, torch.float32, 16)

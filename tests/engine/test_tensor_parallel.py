@@ -58,10 +58,10 @@ def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, dra
 def test_ranks_are_built_from_rank_0s_config():
     """One builder of a rank's options: every field a rank needs comes from rank 0's config."""
     config = EngineConfig("/models/t", dtype="bfloat16", device="cpu", attention="sdpa",
-                          num_threads=3, tp_size=4, fault_injection=True)
+                          num_threads=3, tp_size=4, fault_injection=True, row_plan_dir="/p")
     assert rank_options(config) == {"target": "/models/t", "dtype": "bfloat16", "device": "cpu",
                                     "attention": "sdpa", "num_threads": 3,
-                                    "fault_injection": True}
+                                    "fault_injection": True, "row_plan_dir": "/p"}
 
 
 def test_other_ranks_zero_the_blocks_rank_0_hands_out(tiny_family, hf_target):
