@@ -173,9 +173,14 @@ class EngineServer:
         """Engine stats and cumulative metrics, for `specserve status` and tests."""
         from dataclasses import asdict
 
-        stats, metrics = await asyncio.to_thread(self._snapshot)
-        return {"stats": asdict(stats), "metrics": asdict(metrics), "pid": os.getpid(),
-                "engine_pid": getattr(self.engine, "pid", None), "restarts": len(self.restarts)}
+        if self.engine_alive:
+            stats, metrics = await asyncio.to_thread(self._snapshot)
+        else:       # down (restarting): its last stats, no metrics
+            self._revive()
+            stats, metrics = await asyncio.to_thread(self.engine.stats), None
+        return {"stats": asdict(stats), "metrics": metrics and asdict(metrics),
+                "pid": os.getpid(), "engine_pid": getattr(self.engine, "pid", None),
+                "restarts": len(self.restarts), "engine_alive": self.engine_alive}
 
     async def inject_fault(self, kind: str, count: int = 1, after: int = 0) -> None:
         """TEST ONLY: arm a real fault in the engine (refused unless the tier's engine_args set

@@ -20,6 +20,7 @@ ticket). Does not own the decision (`router/policy.py`), the stats gathering
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -49,6 +50,8 @@ from router.validation import parse_json_object, read_body, validate_request
 from router.wire import GenerateChunk, GenerateRequest, combined, find_tier_error
 
 logger = logging.getLogger("ray.serve")
+DOWN_CODES = ("replica_restarting", "replica_failed")     # the replica's engine is down
+DOWN_RETRY_DELAYS_S = (0.2, 0.5, 1.0)    # then again, while the stats catch up (one period)
 FALLBACK_TIER = {"premium": "speculative", "standard": "baseline", "economy": "small",
                  "auto": "baseline"}
 
@@ -149,19 +152,26 @@ class Ingress:
         return tier, k_max, reason, req.prompt_class
 
     async def _start(self, gen_req: GenerateRequest):
-        """Send to the tier and wait for the first chunk, so errors become HTTP statuses."""
-        handle = self.handles["small" if gen_req.tier == "small" else "target"]
-        stream = handle.options(stream=True).generate.remote(gen_req)
-        try:
-            first = await stream.__anext__()
-        except BackPressureError as exc:
-            raise HTTPError(429, f"the {gen_req.tier} tier is busy: {exc}; retry later",
-                            "overloaded", headers={"Retry-After": self.retry_after}) from None
-        except StopAsyncIteration:
-            first = GenerateChunk(text="", finished=True, finish_reason="abort")
-        except Exception as exc:
-            raise self._failure(exc, gen_req.tier, gen_req.request_id) from None
-        return first, stream
+        """Send to the tier and wait for the first chunk, so errors become HTTP statuses. A
+        replica whose engine is down answers at once, before the routers' stats say so (up to
+        a stats period): the request, which has not run, goes again, to another replica of
+        the tier where it has one."""
+        kind = "small" if gen_req.tier == "small" else "target"
+        for delay in DOWN_RETRY_DELAYS_S + (None,):
+            stream = self.handles[kind].options(stream=True).generate.remote(gen_req)
+            try:
+                return await stream.__anext__(), stream
+            except BackPressureError as exc:
+                raise HTTPError(429, f"the {gen_req.tier} tier is busy: {exc}; retry later",
+                                "overloaded", headers={"Retry-After": self.retry_after}) from None
+            except StopAsyncIteration:
+                return GenerateChunk(text="", finished=True, finish_reason="abort"), stream
+            except Exception as exc:
+                err = find_tier_error(exc)
+                if (delay is None or err is None or err.code not in DOWN_CODES
+                        or len(self.observer.replicas.get(kind, {})) < 2):
+                    raise self._failure(exc, gen_req.tier, gen_req.request_id) from None
+            await asyncio.sleep(delay)
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         api = "chat" if chat else "completions"

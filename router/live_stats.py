@@ -45,6 +45,18 @@ def _load_key(replica: RunningReplica) -> tuple:
     return (not s.available, s.load, s.kv_used_target_bytes + s.kv_used_draft_bytes)
 
 
+def replica_groups(candidates: list) -> list[list]:
+    """The groups Serve tries in order: the two least loaded available replicas (Serve probes
+    their queues and picks one), the other available ones, then the unavailable ones (their
+    engine restarting or dead: they answer 503 with Retry-After at once, so in a group with a
+    live replica their empty queue would win every probe)."""
+    from router.live_stats import _load_key
+
+    ranked = sorted(candidates, key=_load_key)
+    up = [r for r in ranked if not _load_key(r)[0]]
+    return [g for g in (up[:2], up[2:], ranked[len(up):]) if g]
+
+
 class StatsRequestRouter(FIFOMixin, RequestRouter):
     """Least-loaded-first routing on the replicas' own stats; shares them with `LiveStats`."""
 
@@ -59,13 +71,9 @@ class StatsRequestRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        from router.live_stats import _load_key
+        from router.live_stats import replica_groups
 
-        ranked = sorted(candidate_replicas, key=_load_key)
-        # Serve probes the first group's queue lengths and picks among it; the rest is fallback.
-        return [ranked[:2], ranked[2:]] if len(ranked) > 2 else [ranked]
+        return replica_groups(candidate_replicas)
 
     def replica_stats(self) -> dict[str, EngineStats]:
         """replica id -> its last `EngineStats`, for replicas that reported one."""

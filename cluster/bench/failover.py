@@ -96,7 +96,7 @@ def report(results: list[dict], killed_at: float, replica_kept: bool) -> dict:
         "refused": dict(Counter(str(r["status"]) for r in refused)),
         "refused_without_retry_after": sum(r["status"] in (429, 503) and not r["retry_after"]
                                            for r in refused),
-        "requests": len(results), "replica_kept": replica_kept}
+        "requests": len(results), "replica_restarted_in_place": replica_kept}
 
 
 def run(args) -> int:
@@ -116,8 +116,12 @@ def run(args) -> int:
             return time.time()
 
         results, killed_at = asyncio.run(_load(url, key, model, args, kill))
-        after = target.stats.remote().result(timeout_s=60)
-    out = report(results, killed_at, after["pid"] == before["pid"])
+        seen = {}                     # the replicas the handle reaches (any, with several)
+        for _ in range(12):
+            stats = target.stats.remote().result(timeout_s=60)
+            seen[stats["pid"]] = stats
+    kept = before["pid"] in seen and seen[before["pid"]]["engine_pid"] != before["engine_pid"]
+    out = report(results, killed_at, kept)
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,7 +20,9 @@ FLAGS = (*ray_local.direct_ingress_env(1), *ray_local.serve_speed_env(False))
 @pytest.fixture(scope="module")
 def app(tiny_family, module_tmp):
     before = {name: os.environ.get(name) for name in FLAGS}
-    with served_app(module_tmp, tiny_family, direct_ingress=True) as served:
+    # two target replicas: the last test kills one's engine
+    with served_app(module_tmp, tiny_family, direct_ingress=True,
+                    target={"num_replicas": 2}) as served:
         yield served
     # stop() put the environment back as it found it
     assert {name: os.environ.get(name) for name in FLAGS} == before
@@ -92,3 +94,29 @@ def test_same_port_as_the_proxy_is_refused():
     with pytest.raises(ValueError, match="differ"):
         ray_local.start(num_cpus=2, http_port=8555, direct_ingress_port=8555)
 
+
+
+def test_with_two_replicas_a_killed_engine_fails_only_its_own_streams(app):
+    """Last in the module. One target replica's engine process is killed: requests sent at once
+    and after, while the routers' stats still call it available, all succeed (the replica
+    answers at once, and the ingress sends a request that has not run to the other replica);
+    the killed one restarts in place."""
+    import signal
+    import time
+
+    target = app.handle("TargetServer")
+    before = target.stats.remote().result(timeout_s=30)
+    os.kill(before["engine_pid"], signal.SIGKILL)
+    deadline, statuses = time.time() + 4.0, []
+    while time.time() < deadline:
+        r = _post(app.url, app.keys["premium"], {"model": MODEL, "prompt": "def add(a, b):",
+                                                  "max_tokens": 2, "temperature": 0})
+        statuses.append(r.status_code)
+    assert statuses and set(statuses) == {200}, statuses
+    while True:                      # the killed replica's engine comes back in place
+        seen = {s["pid"]: s for s in (target.stats.remote().result(timeout_s=30)
+                                      for _ in range(8))}
+        if before["pid"] in seen and seen[before["pid"]]["restarts"] == 1:
+            break
+        assert time.time() < deadline + 60, "the killed engine did not restart in place"
+        time.sleep(0.5)

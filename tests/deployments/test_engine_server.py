@@ -191,7 +191,7 @@ def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
     fails the health check (Serve replaces the replica) and reports itself unavailable."""
     from dataclasses import replace
 
-    from router.live_stats import _load_key
+    from router.live_stats import _load_key, replica_groups
     from router.observer import Observer
 
     server = _server(SmallServer, tiny_family, engine_args={"fault_injection": True},
@@ -213,6 +213,15 @@ def test_a_dead_engine_fails_health_and_routing_skips_it(tiny_family):
 
         busy = replace(dead, available=True, num_running=5, num_waiting=3)
         assert sorted([Replica(dead), Replica(busy)], key=_load_key)[0].routing_stats is busy
+        # Serve probes the first group's queues: a dead replica's queue is empty (it answers at
+        # once), so it must not share a group with a live one, however few replicas there are
+        idle = replace(busy, num_running=0, num_waiting=0)
+        for live in ([busy], [busy, idle], [busy, idle, busy]):
+            groups = replica_groups([Replica(dead)] + [Replica(s) for s in live])
+            assert [[r.routing_stats for r in g] for g in groups][-1] == [dead]
+            assert all(r.routing_stats is not dead for g in groups[:-1] for r in g)
+            assert groups[0][0].routing_stats is (idle if len(live) > 1 else busy)
+        assert [[r.routing_stats for r in g] for g in replica_groups([Replica(dead)])] == [[dead]]
         observer = Observer(kinds=("small",))
         observer.report("dead", dead, "small")
         observer.report("busy", busy, "small")
