@@ -83,7 +83,7 @@ def build_app(args: AppConfig | dict, engine_class: str = ENGINE_CLASS,
         small = SmallDeployment.options(**_tier_options(cfg.small, cfg)).bind(
             cfg.small, engine_class, period)
     ingress = IngressDeployment.options(
-        num_replicas=1,
+        num_replicas=cfg.ingress_num_replicas,
         max_ongoing_requests=cfg.limits.max_ongoing_requests,
         max_queued_requests=cfg.limits.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429,

@@ -213,6 +213,9 @@ class AppConfig(_Strict):
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     plans: dict[str, PlanLimits] = Field(default_factory=dict, description="rate limits per plan")
     ingress_num_cpus: float = Field(0.1, ge=0)
+    ingress_num_replicas: int = Field(1, ge=1, description="ingress replicas: each polls the "
+        "tiers' stats itself; keys, rate limits and the ledger are shared through the ledger "
+        "database (with several nodes, PostgreSQL)")
     capture: CaptureConfig = Field(default_factory=CaptureConfig,
                                    description="opt-in prompt capture for draft distillation")
 

@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -32,6 +33,7 @@ from pathlib import Path
 from router.policy import PLANS
 
 logger = logging.getLogger("ray.serve")
+MAX_MISSED = 4096    # unknown key hashes remembered (then forgotten at once)
 
 KEY_PREFIX = "sk-ss-"
 
@@ -177,6 +179,13 @@ class KeyTable:
                                             item["key_id"]))
         return key, self.get(item["key_id"])
 
+    def find(self, sha256: str) -> KeyRecord | None:
+        """The active key with this hash, or None (one indexed read)."""
+        rows = self.db.query("SELECT key_id, name, plan, role, sha256, prefix, created_at "
+                             "FROM api_keys WHERE sha256 = ? AND revoked_at IS NULL", (sha256,))
+        return next((KeyRecord(name=n, plan=p, sha256=h, prefix=pre, created=c, key_id=k, role=r)
+                     for k, n, p, r, h, pre, c in rows), None)
+
     def active_records(self) -> list[KeyRecord]:
         rows = self.db.query("SELECT key_id, name, plan, role, sha256, prefix, created_at "
                              "FROM api_keys WHERE revoked_at IS NULL")
@@ -195,6 +204,7 @@ class KeyStore:
         self._file_records: list[KeyRecord] = []
         self._db_records: list[KeyRecord] = []
         self._by_hash = {r.sha256: r for r in records}
+        self._missed: dict[str, float] = {}     # unknown key hashes -> when the table said so
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.refresh()
@@ -241,4 +251,24 @@ class KeyStore:
         return len(self._by_hash)
 
     def lookup(self, key: str) -> KeyRecord | None:
-        return self._by_hash.get(hash_key(key))
+        """The key's record. A key this store has not seen is looked up in the database at
+        once (another ingress replica may have just added it: the admin's next request may come
+        here), then not again until the next refresh."""
+        digest = hash_key(key)
+        found = self._by_hash.get(digest)
+        if found is not None or self.table is None:
+            return found
+        now = time.monotonic()
+        if now - self._missed.get(digest, -math.inf) < self.refresh_s:
+            return None
+        try:
+            found = self.table.find(digest)
+        except Exception:
+            logger.exception("keys table unreadable; the key counts as unknown")
+        if found is None:
+            if len(self._missed) > MAX_MISSED:
+                self._missed.clear()
+            self._missed[digest] = now
+        else:
+            self._by_hash = {**self._by_hash, digest: found}
+        return found

@@ -1,6 +1,7 @@
-"""Pricing as a product on one real local Ray cluster: live keys, limits with 429 and headers, the usage
-ledger against the responses (exact), a disconnected stream billed for what it ran, and an
-ingress replica killed mid-run losing no record of a completed response."""
+"""Pricing as a product on one real local Ray cluster with two ingress replicas: live keys, limits
+with 429 and headers (exact across the replicas), the usage ledger against the responses
+(exact), a disconnected stream billed for what it ran, and an ingress replica killed mid-run
+losing no record of a completed response while the other serves on."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ DRAIN_S = 2.0
 
 @pytest.fixture(scope="module")
 def app(long_family, module_tmp):
+    # Two ingress replicas: Serve's proxy spreads the requests over them, and the limits, keys
+    # and ledger below must hold across both (they share the ledger database).
     with served_app(module_tmp, long_family, target={"engine_args": {"adaptive_k": False}},
+                    ingress_num_replicas=2,
                     plans={"economy": {"requests_per_min": 4, "tokens_per_min": 300}},
                     ledger={"url": f"sqlite:///{module_tmp}/ledger.db",
                             "drain_period_s": DRAIN_S}) as served:
@@ -171,6 +175,10 @@ async def _run(app, n, concurrency, start=0, results=None):
 
 
 def test_ledger_totals_equal_the_responses_over_200_mixed_requests(app):
+    from ray import serve
+
+    ingress = serve.status().applications["specserve"].deployments["Ingress"]
+    assert {str(k): v for k, v in ingress.replica_states.items()} == {"RUNNING": 2}
     started = time.time()
     responses = asyncio.run(_run(app, 200, 8))
     assert len(responses) == 200

@@ -80,3 +80,23 @@ def test_a_broken_database_keeps_the_keys_it_had(tmp_path):
     store.table = KeyTable(Database(url))
     store.refresh()
     assert store.lookup(key) is not None
+
+
+def test_a_key_added_through_one_ingress_works_at_once_on_another(db_url):
+    """Two ingress replicas' stores on one database, neither refreshing in this test: a key
+    added (as /admin/keys does on one replica) is accepted by the other at once, read from the
+    table on the miss; an unknown key is read once per refresh period, not per request."""
+    table = KeyTable(Database(db_url))
+    cfg = AppConfig.model_validate({"target": {"model": "/m"}, "auth": {"refresh_s": 60}})
+    other = KeyStore.from_config(cfg.auth, KeyTable(Database(db_url)))     # not started
+    key, item = table.add("bob", "premium")
+    assert other.lookup(key).id == item["key_id"] and other.lookup(key).plan == "premium"
+    reads = []
+    find = other.table.find
+    other.table.find = lambda digest: reads.append(digest) or find(digest)
+    for _ in range(5):
+        assert other.lookup("sk-ss-not-a-key") is None
+    assert len(reads) == 1
+    table.revoke(item["key_id"])
+    other.refresh()
+    assert other.lookup(key) is None
