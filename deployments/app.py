@@ -46,7 +46,7 @@ def _openmp_wait(tier: TierModelConfig) -> dict[str, str]:
 
 
 def _tier_options(tier: TierModelConfig, cfg: AppConfig) -> dict:
-    bundle = {"CPU": tier.num_cpus_per_rank}
+    bundle = {"CPU": tier.num_cpus_per_rank, **tier.resources}
     if tier.num_gpus_per_rank:
         bundle["GPU"] = tier.num_gpus_per_rank
     options = dict(
@@ -62,7 +62,7 @@ def _tier_options(tier: TierModelConfig, cfg: AppConfig) -> dict:
         health_check_period_s=5.0, health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,
         ray_actor_options={"num_cpus": tier.num_cpus_per_rank, "num_gpus": tier.num_gpus_per_rank,
-                           "runtime_env": _runtime_env(tier)})
+                           "resources": dict(tier.resources), "runtime_env": _runtime_env(tier)})
     if tier.tp_size > 1:
         # One placement group per replica: bundle 0 holds the replica (rank 0), bundles
         # 1..N-1 the other ranks. STRICT_PACK keeps the group on one node.

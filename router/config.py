@@ -38,6 +38,9 @@ class TierModelConfig(_Strict):
     device: Literal["cpu", "cuda"] = "cpu"
     num_cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank bundle")
     num_gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per rank bundle (1 in production)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources "
+        "per rank bundle: the tier's replicas go only to nodes that have them (e.g. a node "
+        "started with --resources '{\"small_node\": 1}')")
     kv_budget_bytes: int | None = Field(None, gt=0, description="None: derived from device memory")
     gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="share of each GPU's "
         "memory the replica plans for: weights, peak activations and the KV cache (vLLM's knob)")

@@ -158,8 +158,10 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
     path = enable_token_auth(token_path)
 
     metrics_port = metrics_port or free_port()
-    context = ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
-                       dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+    # address "local": always a new cluster. Without it, ray.init() attaches to the last
+    # cluster `ray start` (or ray.cluster_utils) left running on the machine, if any.
+    context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
+                       include_dashboard=dashboard, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
                        _metrics_export_port=metrics_port, log_to_driver=False,
                        namespace="specserve")
     serve.start(http_options={"host": http_host, "port": http_port})

@@ -93,6 +93,19 @@ def test_a_replica_takes_all_its_engine_holds(name, tmp_path):
     assert _tier_options(explicit, cfg)["max_ongoing_requests"] == 3    # an explicit bound holds
 
 
+def test_a_tier_goes_to_the_nodes_with_its_resources():
+    """`resources` reach the replica's actor options and every rank's placement bundle."""
+    from deployments.app import _tier_options
+
+    cfg = AppConfig.model_validate({"target": {"model": "/m"}, "ingress_num_replicas": 2})
+    small = TierModelConfig(model="/s", resources={"small_node": 1})
+    assert _tier_options(small, cfg)["ray_actor_options"]["resources"] == {"small_node": 1}
+    tp = TierModelConfig(model="/t", tp_size=2, num_gpus_per_rank=1, resources={"gpu_node": 1})
+    bundles = _tier_options(tp, cfg)["placement_group_bundles"]
+    assert bundles == [{"CPU": 1.0, "GPU": 1.0, "gpu_node": 1}] * 2
+    assert _tier_options(cfg.target, cfg)["ray_actor_options"]["resources"] == {}
+
+
 def test_bad_policy_or_engine_args_fail_when_the_config_loads(tmp_path):
     base = {"target": {"model": "/m"}}
     for policy, match in (({"k_max": -1}, "k_max"), ({"kmax": 3}, "kmax"),
