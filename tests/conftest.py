@@ -20,3 +20,19 @@ def odd_draft(tiny_family, tmp_path_factory):
     from tiny_models import make_odd_draft
 
     return make_odd_draft(tmp_path_factory.mktemp("odd-draft") / "draft", tiny_family["target"])
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the modules of one app group (tests/app_groups.py) as one unit:
+    they run on one worker, one after the other, on one served app."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    from app_groups import group_of
+
+    class AppGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid.split("::")[0]) or super()._split_scope(nodeid)
+
+    return AppGroupScheduling(config, log)

@@ -170,8 +170,10 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
     return LocalRay(http_host, http_port, metrics_port, dashboard_url, path, direct_ingress_port)
 
 
-def stop() -> None:
-    """Tear down what `start` began: Serve apps first, then this driver's Ray cluster.
+def stop(graceful: bool = True) -> None:
+    """Tear down what `start` began: Serve apps first (each replica finishes what it holds,
+    seconds), then this driver's Ray cluster. `graceful=False` skips Serve's shutdown: the
+    cluster's processes are stopped with it (tests, whose requests are over).
 
     Never `ray stop`: that kills every Ray process of this user, other clusters' too.
     """
@@ -181,7 +183,8 @@ def stop() -> None:
     try:
         if ray.is_initialized():
             try:
-                serve.shutdown()
+                if graceful:
+                    serve.shutdown()
             finally:
                 ray.shutdown()
     finally:

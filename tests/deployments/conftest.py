@@ -1,6 +1,17 @@
-"""Fixtures for the Ray tests: one cluster per test module (see serving_helpers.py)."""
+"""Fixtures for the Ray tests: one cluster per test module, or per group of modules that serve
+the same config (tests/app_groups.py; serving_helpers.py: `shared_app`)."""
 
 import pytest
+
+from app_groups import group_of
+from serving_helpers import close_shared
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test, stop the shared app unless the next test on this worker is of its group."""
+    yield
+    close_shared(unless_group=group_of(nextitem.nodeid.split("::")[0]) if nextitem else None)
 
 
 @pytest.fixture(scope="module")

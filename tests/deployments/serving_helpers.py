@@ -59,11 +59,39 @@ def app_config(family: dict, keys: list, **overrides) -> dict:
     return cfg
 
 
+_SHARED: dict = {"group": None, "stack": None, "app": None, "config": None}
+
+
+def shared_app(group: str, tmp_path, family: dict, **overrides) -> ServedApp:
+    """The app of a group's modules (tests/app_groups.py; one config): started by the first of
+    them, kept for the next, stopped when a test of another module comes next on this worker
+    (tests/deployments/conftest.py) or a module starts a cluster of its own."""
+    if _SHARED["group"] == group:
+        if _SHARED["config"] != (family, overrides):
+            raise ValueError(f"the modules of app group {group!r} must serve one config")
+        return _SHARED["app"]
+    close_shared()
+    stack = contextlib.ExitStack()
+    _SHARED["app"] = stack.enter_context(served_app(tmp_path, family, **overrides))
+    _SHARED.update(group=group, stack=stack, config=(family, overrides))
+    return _SHARED["app"]
+
+
+def close_shared(unless_group: str | None = None) -> None:
+    """Stop the shared app, unless it is `unless_group`'s."""
+    if _SHARED["stack"] is not None and _SHARED["group"] != unless_group:
+        stack = _SHARED["stack"]
+        _SHARED.update(group=None, stack=None, app=None, config=None)
+        stack.close()
+
+
 @contextlib.contextmanager
 def served_app(tmp_path, family: dict, num_cpus: int = 4, direct_ingress: bool = False,
                **overrides):
     """Start Ray (token auth on), deploy the app, wait until every tier reports stats."""
     from ray import serve
+
+    close_shared()                  # one Ray cluster per process
 
     from cluster.launch import ray_local
     from models.rendezvous import free_port
@@ -96,7 +124,7 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, direct_ingress: bool =
             raise TimeoutError("the app did not report every tier healthy within 120 s")
         yield app
     finally:
-        ray_local.stop()
+        ray_local.stop(graceful=False)     # the module's requests are over: no drain
 
 
 def sse_events(response: httpx.Response) -> list:

@@ -1,6 +1,6 @@
 """`specserve bench serve` against a real local cluster (tiny models): the numbers it writes are
 internally consistent, every policy ran on the tier it names, and errors are counted by status.
-About 45 s of load; starts Ray (run under `flock /tmp/specserve-ray.lock`)."""
+About 25 s of load; starts Ray (run under `flock /tmp/specserve-ray.lock`)."""
 
 import argparse
 import asyncio
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from serving_helpers import served_app
+from serving_helpers import shared_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -22,9 +22,8 @@ def app(module_tmp, tiny_family):
     # in brief probes, which the bench's /health sampling may miss (the draft's KV peak read 0
     # once the engine's calibration stopped overrating drafting). This module tests the bench's
     # numbers, so speculative requests here always draft.
-    with served_app(module_tmp, tiny_family,
-                    target={"engine_args": {"adaptive_k": False}}) as served:
-        yield served
+    return shared_app("tiny-fixed-k", module_tmp, tiny_family,
+                      target={"engine_args": {"adaptive_k": False}})
 
 
 def _args(*argv):
@@ -41,7 +40,7 @@ def test_bench_serve_writes_consistent_numbers(app, tmp_path):
     out = tmp_path / "serve"
     rc = main(["bench", "serve", "--url", app.url, "--key", app.keys["auto"],
                "--admin-key", app.admin_key, "--users", "2",
-               "--rates", "3", "--warmup-s", "1", "--duration-s", "3", "--repeats", "1",
+               "--rates", "3", "--warmup-s", "0.5", "--duration-s", "2", "--repeats", "1",
                "--output-tokens", "12", "--out", str(out)])
     assert rc == 0
     report = json.loads(out.with_suffix(".json").read_text())

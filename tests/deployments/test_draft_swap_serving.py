@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from serving_helpers import MODEL, served_app
+from serving_helpers import MODEL, shared_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -37,38 +37,39 @@ def test_swap_during_traffic_drops_nothing_and_serves_the_new_draft(
         tiny_family, perfect_draft, module_tmp):
     from cluster.cli.draft_swap import apply
 
-    with served_app(module_tmp, tiny_family, target={"engine_args": {"adaptive_k": False}}) as app:
-        with app.client("premium") as client:
-            status, usage = _spec(client)
-            assert status == 200, usage
-            before_rate = usage["acceptance_rate"]
-        results, stop = [], threading.Event()
+    app = shared_app("tiny-fixed-k", module_tmp, tiny_family,
+                     target={"engine_args": {"adaptive_k": False}})
+    with app.client("premium") as client:
+        status, usage = _spec(client)
+        assert status == 200, usage
+        before_rate = usage["acceptance_rate"]
+    results, stop = [], threading.Event()
 
-        def traffic():
-            with app.client("premium") as c:
-                while not stop.is_set():
-                    results.append(_spec(c, 24))
+    def traffic():
+        with app.client("premium") as c:
+            while not stop.is_set():
+                results.append(_spec(c, 24))
 
-        threads = [threading.Thread(target=traffic) for _ in range(3)]
-        for t in threads:
-            t.start()
-        while len(results) < 3:
-            threading.Event().wait(0.2)
-        swapped = apply("specserve", str(perfect_draft), rollback=False)
-        n_at_swap = len(results)
-        while len(results) < n_at_swap + 6:
-            threading.Event().wait(0.2)
-        stop.set()
-        for t in threads:
-            t.join()
-        assert swapped[0]["draft"] == str(perfect_draft.resolve())
-        assert swapped[0]["previous"] == str(tiny_family["draft"].resolve())
-        assert [s for s, _ in results if s != 200] == []             # nothing dropped
-        with app.client("premium") as client:
-            status, usage = _spec(client)
-        assert status == 200 and usage["acceptance_rate"] == 1.0 and before_rate < 1.0
-        back = apply("specserve", None, rollback=True)
-        assert back[0]["draft"] == str(tiny_family["draft"].resolve())
-        with app.client("premium") as client:
-            status, usage = _spec(client)
-        assert status == 200 and usage["acceptance_rate"] == before_rate
+    threads = [threading.Thread(target=traffic) for _ in range(3)]
+    for t in threads:
+        t.start()
+    while len(results) < 3:
+        threading.Event().wait(0.2)
+    swapped = apply("specserve", str(perfect_draft), rollback=False)
+    n_at_swap = len(results)
+    while len(results) < n_at_swap + 6:
+        threading.Event().wait(0.2)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert swapped[0]["draft"] == str(perfect_draft.resolve())
+    assert swapped[0]["previous"] == str(tiny_family["draft"].resolve())
+    assert [s for s, _ in results if s != 200] == []             # nothing dropped
+    with app.client("premium") as client:
+        status, usage = _spec(client)
+    assert status == 200 and usage["acceptance_rate"] == 1.0 and before_rate < 1.0
+    back = apply("specserve", None, rollback=True)
+    assert back[0]["draft"] == str(tiny_family["draft"].resolve())
+    with app.client("premium") as client:
+        status, usage = _spec(client)
+    assert status == 200 and usage["acceptance_rate"] == before_rate

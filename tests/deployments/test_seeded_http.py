@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from serving_helpers import MODEL, served_app
+from serving_helpers import MODEL, shared_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -23,8 +23,8 @@ def app(tiny_family, module_tmp):
     # The tiny draft costs as much as the tiny target, so adaptive k would never draft here:
     # premium drafts k_max tokens every step instead (tests/engine/test_seeded.py covers
     # adaptive k). Baseline and speculative sequences share the target's batches.
-    with served_app(module_tmp, tiny_family, target={"engine_args": {"adaptive_k": False}}) as served:
-        yield served
+    return shared_app("tiny-fixed-k", module_tmp, tiny_family,
+                      target={"engine_args": {"adaptive_k": False}})
 
 
 def _client(app, plan, asynchronous=False):

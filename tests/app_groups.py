@@ -1,0 +1,21 @@
+"""Test modules that serve the same app config share one served app
+(tests/deployments/serving_helpers.py: `shared_app`): xdist runs a group's modules on one worker,
+one after the other (tests/conftest.py), and the app stops when a test of another module comes
+next (tests/deployments/conftest.py). Starting and stopping an app costs 25-40 s of a worker."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+GROUPS = {
+    # the tiny family, the target with fixed k (adaptive_k false)
+    "tiny-fixed-k": ("test_bench_serve.py", "test_draft_swap_serving.py", "test_seeded_http.py"),
+}
+
+
+def group_of(path: str) -> str | None:
+    """The app group of a test module (a path ending in tests/deployments/NAME), or None."""
+    parts = PurePosixPath(path.replace("\\", "/")).parts
+    if len(parts) < 2 or parts[-2] != "deployments":
+        return None
+    return next((g for g, names in GROUPS.items() if parts[-1] in names), None)
