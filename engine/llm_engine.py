@@ -289,14 +289,12 @@ class LLMEngine:
         """End these requests with an error (their KV freed); logged with their ids. With
         `param`, the request's own field was at fault (a schema no token sequence can write):
         a refusal that names it, not an engine failure."""
-        ids = [s.request_id for s in seqs if s.request_id in self.seqs]
+        message = f"{param}: {exc}"
         if param is None:
+            ids = [s.request_id for s in seqs if s.request_id in self.seqs]
             logger.error("engine step failed for requests %s", ids, exc_info=exc)
             self.metrics.data.num_failed_steps += 1
-            message = (f"the engine failed while running this request ({type(exc).__name__}); "
-                       f"it was stopped")
-        else:
-            message = f"{param}: {exc}"
+            message = f"the engine failed while running this request ({type(exc).__name__}); it was stopped"
         outputs = []
         for seq in seqs:
             if seq.request_id not in self.seqs:
