@@ -47,6 +47,8 @@ def add_arguments(parser) -> None:
     a("--user-words", type=int, default=30, help="words of code pasted after each user question")
     a("--answer-tokens", type=int, default=48, help="max_tokens of an answer (EOS ignored)")
     a("--repeats", type=int, default=1, help="on/off pairs, order alternated")
+    a("--logprobs", action="store_true", help="ask for each answer token's log-probability and "
+      "report the largest difference, off against on")
     a("--seed", type=int, default=0)
     a("--timeout-s", type=float, default=300.0, help="HTTP timeout of one request")
     a("--out", default="bench-results/chat", help="output path prefix (.json)")
@@ -103,7 +105,7 @@ async def run_side(client, model: str, system: str, users: list[list[str]], args
 
     async def ask(messages, label):
         rec = await send_chat(client, args.policy, messages, args.answer_tokens, model, 0.0,
-                              ignore_eos=True, label=label)
+                              ignore_eos=True, label=label, logprobs=args.logprobs)
         if not rec.ok:
             raise RuntimeError(f"{label}: {rec.status} {rec.error}")
         return rec
@@ -156,6 +158,12 @@ def _answers(run: dict) -> list[list[list[int]]]:
     return [[r.output_ids for r in recs] for recs in run["turns"]]
 
 
+def _max_diff(off: list[dict], on: list[dict]) -> float:
+    """The largest difference of an answer token's log-probability, off against on."""
+    return max((abs(x - y) for a, b in zip(off, on) for ra, rb in zip(a["turns"], b["turns"])
+                for p, q in zip(ra, rb) for x, y in zip(p.logprobs, q.logprobs)), default=0.0)
+
+
 async def bench(url: str, key: str, args, deploy=None, admin_key: str | None = None) -> dict:
     """`deploy(caching)` deploys the app with prefix caching on or off (None: one run as served),
     off first (an app that served with caching on is left so); an admin key adds the prefix
@@ -183,6 +191,8 @@ async def bench(url: str, key: str, args, deploy=None, admin_key: str | None = N
               # greedy: within each repeat the same answers, token for token, on and off
               "answers_equal": (all(_answers(a) == _answers(b)
                                     for a, b in zip(sides["off"], sides["on"])) if deploy else None),
+              "logprobs_max_diff": (_max_diff(sides["off"], sides["on"])
+                                    if deploy and args.logprobs else None),
               "answers": [_answers(run) for run in next(iter(sides.values()))]}
     if deploy:
         on, off = report["sides"]["on"], report["sides"]["off"]
@@ -216,7 +226,9 @@ def table(report: dict) -> str:
             lines.append(f"prefix cache, caching {s}: {cache['hits']} of {cache['queries']} "
                          f"prompt tokens found ({cache['hit_rate']:.1%})")
     if report["answers_equal"] is not None:
-        lines.append(f"greedy answers the same with caching on and off: {report['answers_equal']}")
+        lines.append(f"greedy answers the same with caching on and off: {report['answers_equal']}"
+                     + (f"; log-probabilities differ by {report['logprobs_max_diff']:.2g} at most"
+                        if report["logprobs_max_diff"] is not None else ""))
     return "\n".join(lines)
 
 

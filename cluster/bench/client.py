@@ -52,11 +52,12 @@ async def send(client: httpx.AsyncClient, policy: str, prompt: Prompt, model: st
 
 
 async def send_chat(client: httpx.AsyncClient, policy: str, messages: list[dict], max_tokens: int,
-                    model: str, temperature: float, ignore_eos: bool,
-                    label: str = "chat") -> RequestRecord:
-    """One streamed chat completion; the record keeps the answer's text and token ids."""
+                    model: str, temperature: float, ignore_eos: bool, label: str = "chat",
+                    logprobs: bool = False) -> RequestRecord:
+    """One streamed chat completion; the record keeps the answer's text and token ids (and
+    each token's log-probability, with `logprobs`)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": temperature, "ignore_eos": ignore_eos}
+            "temperature": temperature, "ignore_eos": ignore_eos, "logprobs": logprobs}
     return await _stream(client, policy, label, "chat/completions", body)
 
 
@@ -102,6 +103,7 @@ def _event(rec: RequestRecord, data: dict, now: float) -> None:
         rec.token_times.append((now, len(ids)))
         rec.output_ids += ids
     rec.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    rec.logprobs += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
     usage = data.get("usage")
     if usage:
         rec.prompt_tokens = usage["prompt_tokens"]

@@ -46,6 +46,7 @@ class RequestRecord:
     # what was streamed (a chat's next turn resends the text; identity checks compare the ids)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)    # a chat's, when asked for
 
     @property
     def ok(self) -> bool:
