@@ -14,6 +14,8 @@ prints TTFT p50 and p90 per turn and output tokens/s of each side, the off/on ra
 whether greedy output was the same token for token. With `--url` it runs the app as served (one
 side). Owns the conversation script and the on/off comparison; HTTP is `client.py`'s, the
 percentiles `stats.py`'s. Why the cache reuses what it does: docs/decisions/0028-prefix-caching.md.
+A command of its own, not a `bench serve` prompt mix: its unit is a scripted conversation, not a
+window of load, and it compares two deployments of one app, not policies on one deployment.
 """
 
 from __future__ import annotations
