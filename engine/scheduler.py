@@ -18,8 +18,9 @@ computed is keyed by its prefix (`engine/prefix_cache.py`), as is a full draft b
 in the pool after its sequences finish. An admitted sequence holds the longest keyed prefix it
 finds and prefills only the rest: `prefix_unit` tokens at a time (a multiple of the block and of
 `prefill_align`, so the rest is cut and attended exactly as without the cache and the KV is the
-same bits), never its last prompt token (its logits are needed), and, in speculative mode, only
-as far as the draft's blocks are cached too. Baseline sequences need only the target's.
+same bits), never its last prompt token (its logits are needed). A speculative sequence also
+holds the draft's cached blocks of that prefix, as far as they go; its draft feeds the rest
+when it first drafts.
 """
 
 from __future__ import annotations
@@ -192,12 +193,13 @@ class Scheduler:
         if seq.speculative and length:
             if seq.draft_keys_root != self.draft_root:
                 seq.draft_keys, seq.draft_keys_root = [], self.draft_root
-            # the draft blocks over [0, length), whole, and short of the last prompt token
+            # The draft's cached blocks up to the target's prefix (whole, short of the last
+            # prompt token); the draft feeds the rest in its first round, as after any pause.
+            # The target's hit does not wait for them: a conversation whose draft sat out a
+            # turn (k = 0) would otherwise recompute its history every turn after.
             num = min(-(-length // self.draft_tpb), (seq.prefill_end - 1) // self.draft_tpb)
             keys = chain_keys(seq.token_ids, self.draft_tpb, self.draft_root, seq.draft_keys, num)
-            draft = cache.lookup(keys)
-            length = min(length, len(draft) * self.draft_tpb) // unit * unit
-            seq.draft_blocks = draft[:-(-length // self.draft_tpb)]
+            seq.draft_blocks = cache.lookup(keys)
             seq.draft_computed = len(seq.draft_blocks) * self.draft_tpb
         seq.blocks = blocks[:length // self.tpb]
         seq.num_computed = length

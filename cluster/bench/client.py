@@ -46,13 +46,28 @@ class Prompt:
 async def send(client: httpx.AsyncClient, policy: str, prompt: Prompt, model: str,
                temperature: float, ignore_eos: bool) -> RequestRecord:
     """One streamed completion; every outcome (error, exception) becomes a record."""
-    prefix, extra = POLICIES[policy]
     body = {"model": model, "prompt": prompt.text, "max_tokens": prompt.max_tokens,
-            "temperature": temperature, "stream": True, "return_token_ids": True,
-            "ignore_eos": ignore_eos, **extra}
-    rec = RequestRecord(policy=policy, prompt_class=prompt.prompt_class, sent=time.monotonic())
+            "temperature": temperature, "ignore_eos": ignore_eos}
+    return await _stream(client, policy, prompt.prompt_class, "completions", body)
+
+
+async def send_chat(client: httpx.AsyncClient, policy: str, messages: list[dict], max_tokens: int,
+                    model: str, temperature: float, ignore_eos: bool, label: str = "chat",
+                    logprobs: bool = False) -> RequestRecord:
+    """One streamed chat completion; the record keeps the answer's text and token ids (and
+    each token's log-probability, with `logprobs`)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": temperature, "ignore_eos": ignore_eos, "logprobs": logprobs}
+    return await _stream(client, policy, label, "chat/completions", body)
+
+
+async def _stream(client: httpx.AsyncClient, policy: str, label: str, route: str,
+                  body: dict) -> RequestRecord:
+    prefix, extra = POLICIES[policy]
+    body = {**body, "stream": True, "return_token_ids": True, **extra}
+    rec = RequestRecord(policy=policy, prompt_class=label, sent=time.monotonic())
     try:
-        async with client.stream("POST", f"{prefix}/completions", json=body) as resp:
+        async with client.stream("POST", f"{prefix}/{route}", json=body) as resp:
             rec.status = resp.status_code
             rec.tier = resp.headers.get("x-specserve-tier")
             rec.reason = resp.headers.get("x-specserve-reason")
@@ -83,9 +98,12 @@ def _event(rec: RequestRecord, data: dict, now: float) -> None:
         rec.error = err.get("code") or err.get("message", "")[:200]
         return
     choice = (data.get("choices") or [{}])[0]
-    n = len(choice.get("token_ids") or [])
-    if n:
-        rec.token_times.append((now, n))
+    ids = choice.get("token_ids") or []
+    if ids:
+        rec.token_times.append((now, len(ids)))
+        rec.output_ids += ids
+    rec.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    rec.logprobs += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
     usage = data.get("usage")
     if usage:
         rec.prompt_tokens = usage["prompt_tokens"]

@@ -43,6 +43,10 @@ class RequestRecord:
     acceptance_rate: float | None = None   # accepted / drafted, from usage
     mean_acceptance_length: float | None = None
     error: str | None = None
+    # what was streamed (a chat's next turn resends the text; identity checks compare the ids)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)    # a chat's, when asked for
 
     @property
     def ok(self) -> bool:

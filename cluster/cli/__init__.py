@@ -22,6 +22,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("models build-demo", "cluster.cli.models_build_demo", "train the demo model family (tokenizer, target, draft, small)"),
     ("models info", "cluster.cli.models_info", "print a checkpoint's parameters, weight bytes and KV bytes per token"),
     ("models plan", "cluster.cli.models_plan", "each GPU tier's memory plan: weights, activations, KV budget"),
+    ("bench chat", "cluster.bench.chat", "multi-turn chat over HTTP: prefix caching on vs off, TTFT per turn"),
     ("bench engine", "cluster.bench.engine", "benchmark the engine side by side with transformers"),
     ("bench load", "cluster.bench.load", "per-rank memory of loading a tensor-parallel shard (70B widths by default)"),
     ("bench sampler", "cluster.bench.sampler", "acceptance of the coupled (seeded) sampler next to rejection sampling"),

@@ -29,6 +29,7 @@ class ServedApp:
     admin_key: str = ""
     ledger_url: str = ""
     direct_url: str | None = None          # the ingress replica's own server (direct ingress)
+    config: dict = field(default_factory=dict)   # the app config it was deployed with
 
     def client(self, plan: str = "auto", timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout,
@@ -111,10 +112,10 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, direct_ingress: bool =
                             token_path=tmp_path / "ray_token",
                             direct_ingress_port=free_port() if direct_ingress else None)
     try:
-        serve.run(build_app(app_config(family, inline, **overrides)), name=APP_NAME,
-                  route_prefix="/")
+        config = app_config(family, inline, **overrides)
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         app = ServedApp(local.api_url, local.metrics_url, keys, admin_key,
-                        overrides["ledger"].get("url", ""), local.direct_url)
+                        overrides["ledger"].get("url", ""), local.direct_url, config)
         deadline = time.time() + 120
         while time.time() < deadline:
             if httpx.get(app.url + "/health", timeout=10).status_code == 200:
@@ -125,6 +126,23 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, direct_ingress: bool =
         yield app
     finally:
         ray_local.stop(graceful=False)     # the module's requests are over: no drain
+
+
+def redeploy(app: ServedApp, **overrides) -> None:
+    """Deploy the app again, its config's sections changed by `overrides` (none: as it was
+    first deployed), replacing its replicas; wait until every tier reports stats."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = {**app.config, **{section: {**app.config[section], **values}
+                               for section, values in overrides.items()}}
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    deadline = time.time() + 120
+    while httpx.get(app.url + "/health", timeout=10).status_code != 200:
+        if time.time() > deadline:
+            raise TimeoutError("the app did not report every tier healthy within 120 s")
+        time.sleep(0.5)
 
 
 def sse_events(response: httpx.Response) -> list:

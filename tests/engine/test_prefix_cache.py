@@ -146,7 +146,7 @@ def test_a_held_block_is_never_evicted_and_lru_goes_first():
 def test_finish_abort_and_preemption_release_every_hold(make_engine):
     """Shared prompt blocks under a budget tight enough to preempt and downgrade, with aborts:
     every step each block's refcount is its holders, and at the end nothing is held."""
-    engine = make_engine(kv_budget_bytes=16 * BLOCK, adaptive_k=False, max_num_batched_tokens=64)
+    engine = make_engine(kv_budget_bytes=12 * BLOCK, adaptive_k=False, max_num_batched_tokens=64)
     rng = random.Random(11)
     step, pending = 0, [BASE[:rng.choice([48, 64, 90])] + [rng.randrange(5, 300)] * 3
                         for _ in range(16)]
@@ -167,20 +167,28 @@ def test_finish_abort_and_preemption_release_every_hold(make_engine):
     assert engine.pool.used_by == {"target": 0, "draft": 0}
 
 
-def test_a_speculative_request_reuses_only_blocks_with_draft_kv(make_engine):
-    """After a baseline request (target KV only) a speculative one with the same prompt finds
-    no usable prefix; after a speculative one (both models' KV) it does; a baseline request
-    reuses the target's blocks whoever computed them."""
+def test_a_speculative_request_reuses_the_target_prefix_without_draft_kv(make_engine):
+    """After a baseline request (target KV only) a speculative one with the same prompt reuses
+    the target's blocks and its draft catches up over the prompt when it drafts; the next
+    speculative one finds both models' blocks; a baseline request reuses the target's blocks
+    whoever computed them. The greedy output is the same for all four."""
     engine = make_engine(max_num_batched_tokens=64, adaptive_k=False)
     unit = engine.scheduler.prefix_unit
-    hits = []
+    hits, outputs, draft_held = [], [], []
     for mode in ["baseline", "speculative", "speculative", "baseline"]:
         before = engine.stats().prefix_cache_hits
-        engine.add_request(f"r{len(hits)}", BASE, _params(), RequestOptions(mode=mode, k_max=3))
-        run_all(engine)
+        rid = f"r{len(hits)}"
+        engine.add_request(rid, BASE, _params(), RequestOptions(mode=mode, k_max=3))
+        first = [t for o in engine.step() for t in o.token_ids]    # the prompt's rest
+        draft_held.append(engine.seqs[rid].draft_computed)        # as admitted
+        outputs.append(first + run_all(engine)[0][rid])
         hits.append(engine.stats().prefix_cache_hits - before)
     whole = (len(BASE) - 1) // unit * unit
-    assert hits == [0, 0, whole, whole]
+    assert hits == [0, whole, whole, whole]
+    draft_tpb = engine.scheduler.draft_tpb
+    # the second found no draft KV; the third the draft blocks the second's catch-up computed
+    assert draft_held[1] == 0 and draft_held[2] == (len(BASE) - 1) // draft_tpb * draft_tpb > 0
+    assert all(o == outputs[0] for o in outputs)
 
 
 def test_a_running_prompt_is_shared_and_decoded_blocks_are_not(make_engine):
