@@ -19,3 +19,8 @@ def group_of(path: str) -> str | None:
     if len(parts) < 2 or parts[-2] != "deployments":
         return None
     return next((g for g, names in GROUPS.items() if parts[-1] in names), None)
+
+
+def served(scope: str) -> bool:
+    """Whether an xdist unit (a module path or a group name) starts a served app."""
+    return scope in GROUPS or "tests/deployments/" in scope.replace("\\", "/")

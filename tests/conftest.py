@@ -29,10 +29,20 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    from app_groups import group_of
+    from app_groups import group_of, served
 
     class AppGroupScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid.split("::")[0]) or super()._split_scope(nodeid)
+
+        def schedule(self) -> None:
+            """After the first units go out, the served modules (a Ray cluster and an app each,
+            25-120 s) before the rest, so that no worker is left with one of them at the end."""
+            first = self.collection is None
+            super().schedule()
+            if first and self.workqueue:
+                order = sorted(self.workqueue.items(), key=lambda unit: not served(unit[0]))
+                self.workqueue.clear()
+                self.workqueue.update(order)
 
     return AppGroupScheduling(config, log)
