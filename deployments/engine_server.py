@@ -28,8 +28,8 @@ from router.wire import GenerateChunk, TierError, GenerateRequest
 logger = logging.getLogger(__name__)
 
 ENGINE_CLASS = "engine.async_engine:AsyncEngine"
-RESTART_WINDOW_S = 600.0    # a tier's `engine_restarts` count within this window
 PROCESS_ENGINE_CLASS = "engine.engine_core:ProcessEngine"
+RESTART_WINDOW_S = 600.0    # a tier's `engine_restarts` count within this window
 
 
 def simple_chat_prompt(messages: list[dict]) -> str:
@@ -99,8 +99,8 @@ class EngineServer:
 
     async def check_health(self) -> None:
         """Serve calls this periodically. A dead engine that is restarting in place, or can,
-        passes; one that cannot (in-process, or its `engine_restarts` used up) fails, so Serve replaces
-        the replica."""
+        passes; one that cannot (in-process, or its `engine_restarts` used up) fails, so Serve
+        replaces the replica."""
         if not self.engine_alive and not self._revive():
             raise RuntimeError(f"the engine loop stopped: {getattr(self.engine, 'error', None)!r}")
 
@@ -123,12 +123,10 @@ class EngineServer:
     async def _restart_engine(self) -> None:
         """A new engine process on the same config and draft (a swapped one stays swapped): it
         reads the weights again (from the page cache) and its step-cost profile from its cache."""
-        import dataclasses as dc
-
         old = self.engine
         config = self.tier.engine_config()
         if getattr(old, "draft_path", None):
-            config = dc.replace(config, draft=old.draft_path)
+            config = dataclasses.replace(config, draft=old.draft_path)
         logger.warning("the engine process died (%r); restarting it in place", old.error)
         with contextlib.suppress(Exception):
             old.shutdown()

@@ -134,7 +134,7 @@ class RowPlan:
                 "max_rows": self.max_rows, "largest": self.largest}
 
     @classmethod
-    def from_dict(cls, data: dict, run) -> "RowPlan":
+    def from_dict(cls, data: dict, run, width: int, dtype: torch.dtype) -> "RowPlan":
         """A plan built before on this machine (`plan_key`); builds oneDNN's kernel for each of
         its good buckets, as building the plan does, so that no step builds one."""
         plan = cls.__new__(cls)
@@ -144,9 +144,8 @@ class RowPlan:
         if not plan.good or plan.largest not in plan.good or any(
                 c not in plan.good for calls in plan.plans.values() for c in calls):
             raise ValueError("a cached row plan that calls row counts it did not find exact")
-        width = data["width"]
         for m in plan.good:
-            run(torch.zeros(m, width, dtype=data["dtype"]))
+            run(torch.zeros(m, width, dtype=dtype))
         return plan
 
     def calls(self, rows: int) -> tuple[int, ...]:
@@ -164,8 +163,6 @@ def prepare(weight: torch.Tensor, kernel: str) -> torch.Tensor:
     if kernel == "mkl":
         return weight.t().contiguous()
     return weight
-
-
 
 
 @lru_cache(maxsize=1)
@@ -242,18 +239,18 @@ class Linear:
             with torch.inference_mode():
                 self.row_plans[key] = self._cached_plan(
                     lambda x, w=weight, b=bias: self._onednn(x, w, b, x.shape[0]),
-                    tuple(weight.shape), bias is None, max_rows)
+                    tuple(weight.shape), bias is not None, max_rows)
         self._plan_of[id(weight)] = self.row_plans[key]
         return self.row_plans[key]
 
-    def _cached_plan(self, run, shape: tuple, no_bias: bool, max_rows: int) -> RowPlan:
+    def _cached_plan(self, run, shape: tuple, bias: bool, max_rows: int) -> RowPlan:
         """The plan from `plan_dir` if one was built for this key, else built (and kept)."""
         path = None
         if self.plan_dir is not None:
-            path = Path(self.plan_dir) / f"{plan_key(shape, not no_bias, self.dtype, max_rows)}.json"
+            path = Path(self.plan_dir) / f"{plan_key(shape, bias, self.dtype, max_rows)}.json"
             try:
                 data = json.loads(path.read_text())
-                return RowPlan.from_dict({**data, "width": shape[1], "dtype": self.dtype}, run)
+                return RowPlan.from_dict(data, run, shape[1], self.dtype)
             except (OSError, ValueError, KeyError, TypeError):
                 pass                               # none yet, or unreadable: build it
         plan = RowPlan(run, shape[1], self.dtype, max_rows)

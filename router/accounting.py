@@ -93,10 +93,10 @@ class Accounting:
     # -- the end of a request -----------------------------------------------------------------
     def usage(self, charge: Charge, last) -> BilledUsage:
         """The priced usage of what ran so far (`last`: the latest cumulative chunk or None)."""
-        # An economy request sent to baseline because the small tier was down pays the small
-        # tier's price: an outage never costs the caller more.
-        outage = charge.plan == "economy" and charge.reason == "tier_down"
-        run = RunCounts("small" if outage else charge.tier, getattr(last, "num_prompt_tokens", 0),
+        # Economy pays the small tier's price wherever it ran (the policy sends it to baseline
+        # only while the small tier is down): an outage never costs the caller more.
+        priced = "small" if charge.plan == "economy" else charge.tier
+        run = RunCounts(priced, getattr(last, "num_prompt_tokens", 0),
                         getattr(last, "num_output_tokens", 0),
                         getattr(last, "num_speculative_tokens", 0),
                         getattr(last, "num_draft_tokens", 0),
@@ -109,7 +109,7 @@ class Accounting:
         usage = billed_usage(self.prices, run, reason, mode, dropped,
                              getattr(last, "acceptance_rate", None),
                              getattr(last, "mean_acceptance_length", None))
-        return usage.model_copy(update={"tier": charge.tier}) if outage else usage
+        return usage if priced == charge.tier else usage.model_copy(update={"tier": charge.tier})
 
     def record(self, charge: Charge, usage: BilledUsage, status: str, http_status: int,
                error: str | None = None) -> bool:

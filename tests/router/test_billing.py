@@ -72,3 +72,29 @@ def test_usd_text_is_exact():
     assert usd_text(140) == "0.000140"
     assert usd_text(12_345_678_901) == "12345.678901"
     assert usd_text(0) == "0.000000" and usd_text(-5) == "-0.000005"
+
+
+def test_economy_pays_the_small_tiers_price_wherever_it_ran(tmp_path):
+    """The policy sends economy to baseline only while the small tier is down (`tier_down`):
+    the record says baseline ran, the price is the small tier's (an outage never costs more)."""
+    from router.accounting import Accounting, Charge
+    from router.config import AppConfig
+    from router.wire import GenerateChunk
+
+    cfg = AppConfig.model_validate({"target": {"model": "/m"},
+                                    "ledger": {"url": f"sqlite:///{tmp_path}/l.db"}})
+    accounts = Accounting(cfg, start=False)
+    last = GenerateChunk(text="", finished=True, num_prompt_tokens=100, num_output_tokens=50)
+
+    def charge(plan, tier, reason):
+        return Charge("r", "k", "n", plan, "auto", "completions", tier, reason, "baseline",
+                      None, 0.0)
+
+    outage = accounts.usage(charge("economy", "baseline", "tier_down"), last)
+    cold = accounts.usage(charge("economy", "baseline", "small_cold"), last)
+    small = accounts.usage(charge("economy", "small", "plan_economy"), last)
+    standard = accounts.usage(charge("standard", "baseline", "plan_standard"), last)
+    assert outage.tier == "baseline" and outage.price_micro_usd == small.price_micro_usd
+    assert cold.tier == "baseline" and cold.price_micro_usd == small.price_micro_usd
+    assert standard.price_micro_usd > small.price_micro_usd
+    assert outage.price_micro_usd == price_micro_usd(cfg.prices, RunCounts("small", 100, 50))
