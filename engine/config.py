@@ -10,6 +10,12 @@ ATTENTION = ("sdpa", "fused")
 PREFILL_MODES = ("mixed", "no_draft", "alone")
 
 
+def default_prefill_align(max_num_batched_tokens: int) -> int:
+    """`EngineConfig.prefill_align` when the config leaves it out: 64, or a quarter of a
+    smaller token budget."""
+    return min(64, max(1, max_num_batched_tokens // 4))
+
+
 @dataclass
 class EngineConfig:
     target: str                          # local Hugging Face folder
@@ -67,7 +73,7 @@ class EngineConfig:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 16:
             raise ValueError("block_size, max_num_seqs >= 1 and max_num_batched_tokens >= 16")
         if self.prefill_align is None:
-            self.prefill_align = min(64, max(1, self.max_num_batched_tokens // 4))
+            self.prefill_align = default_prefill_align(self.max_num_batched_tokens)
         if (not isinstance(self.prefill_align, int) or isinstance(self.prefill_align, bool)
                 or not 1 <= self.prefill_align <= self.max_num_batched_tokens):
             raise ValueError(f"prefill_align must be an integer in [1, max_num_batched_tokens "

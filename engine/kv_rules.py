@@ -12,6 +12,7 @@ dropped before anyone is preempted: docs/decisions/0001-draft-kv-in-one-budget.m
 
 from __future__ import annotations
 
+import math
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -38,6 +39,20 @@ def keeps_speculation(free_after: float, budget: float,
     least `min_free_fraction` of the budget stays free after it (`free_after`); below that it
     is admitted as baseline, for good."""
     return free_after >= min_free_fraction * budget
+
+
+def prefix_unit(tokens_per_block: int, prefill_align: int) -> int:
+    """The step in which a cached prefix is taken: whole blocks that end where a prompt chunk
+    may be cut, so the rest is cut and attended as without the cache."""
+    return math.lcm(tokens_per_block, prefill_align)
+
+
+def reusable_prefix(prompt_tokens: int, cached_tokens: int, unit: int) -> int:
+    """The prompt tokens a sequence takes from the prefix cache, where the cache holds the
+    first `cached_tokens` of its prompt: whole units of `unit` tokens (a multiple of the block
+    and of the prefill alignment: `prefix_unit`), never the last prompt token, whose logits are
+    needed."""
+    return min(cached_tokens, prompt_tokens - 1) // unit * unit
 
 
 def victim_order(seqs: list[T], priority: Callable[[T], int],

@@ -25,7 +25,6 @@ when it first drafts.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,7 +93,7 @@ class Scheduler:
         self.num_spec_downgrades = 0
         self.truncated: list[Sequence] = []   # finished here (KV outgrown); the engine reports them
         self.last_alone = False               # the last step ran prompts alone (prefill_mode)
-        self.prefix_unit = math.lcm(self.tpb, limits.prefill_align)
+        self.prefix_unit = kv_rules.prefix_unit(self.tpb, limits.prefill_align)
         self.draft_root = b"draft:0"          # the draft's key root; a new draft, a new root
         self.prefix_queries = 0               # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                  # of them, found cached (their prefill skipped)
@@ -186,10 +185,10 @@ class Scheduler:
         if not self.limits.prefix_caching or seq.num_computed or seq.prompt_logprobs is not None:
             return
         cache, unit = self.pool.cache, self.prefix_unit
-        end = (seq.prefill_end - 1) // unit * unit
-        keys = chain_keys(seq.token_ids, self.tpb, b"target", seq.block_keys, end // self.tpb)
+        keys = chain_keys(seq.token_ids, self.tpb, b"target", seq.block_keys,
+                          (seq.prefill_end - 1) // self.tpb)
         blocks = cache.lookup(keys)
-        length = len(blocks) * self.tpb // unit * unit
+        length = kv_rules.reusable_prefix(seq.prefill_end, len(blocks) * self.tpb, unit)
         if seq.speculative and length:
             if seq.draft_keys_root != self.draft_root:
                 seq.draft_keys, seq.draft_keys_root = [], self.draft_root

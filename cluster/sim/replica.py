@@ -18,6 +18,8 @@ first drafting step, and what it skipped in its next one), calibrates on each de
 `LLMEngine` does, and is what `engine_stats` reports to the router. Each draft token at output
 position p of a request is accepted iff that request's u_p < a (every policy sees the same
 draws). Acceptance is estimated as the engine does (`engine/acceptance.py`).
+With prefix caching (`ReplicaConfig.prefix_caching`, the engine's default), prompts that share
+a prefix (`RequestSpec.prefix`) reuse its KV by the engine's rules (`cluster/sim/prefix.py`).
 `build_replicas` turns a scenario's Deployment into replica configs.
 """
 
@@ -28,12 +30,13 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from cluster.sim.fitted import FITTED
+from cluster.sim.prefix import PrefixCache
 from cluster.sim.scenarios import Deployment, RequestSpec
 from engine import kv_rules
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.calibration import CATCH_UP_MAX, CalibratedCost
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_prefill_align
 from engine.hardware import GPUS, MODELS, GiB, RooflineStepCost
 from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
 from engine.outputs import EngineStats
@@ -60,6 +63,7 @@ class ReplicaConfig:
     believed: StepCostModel | None = None  # the engine's base cost model (None: the truth)
     gpus: int = 0  # GPUs this replica occupies (for cost per token; 0: len(gpu_bytes))
     max_waiting: int | None = None  # the engine's queue bound (None: unbounded)
+    prefix_caching: bool = True  # reuse cached prompt prefixes (the engine's default)
 
 
 def _cost(dep: Deployment, model: str, tp: int, draft_tp: int):
@@ -88,7 +92,8 @@ def build_replicas(dep: Deployment, placement: str, policy: str, fixed_k: int
     for g in range(draft_tp if draft else 0):
         fixed[g] += draft.weight_bytes() / draft_tp
         dkv[g] = draft.kv_bytes_per_token() / min(draft_tp, draft.num_kv_heads)
-    common = dict(max_num_seqs=dep.max_num_seqs, max_batched_tokens=dep.max_batched_tokens)
+    common = dict(max_num_seqs=dep.max_num_seqs, max_batched_tokens=dep.max_batched_tokens,
+                  prefix_caching=dep.prefix_caching)
     true, believed = _cost(dep, dep.target, tp, draft_tp if draft else 0)
     naive = policy == "speculative" and fixed_k > 0
     tgt = ReplicaConfig(true, [gpu.memory_bytes] * tp, fixed, tkv, dkv,
@@ -119,6 +124,8 @@ class Seq:
     prefill_left: int = 0  # tokens still to (re)compute before the next token
     computed: int = 0  # tokens whose target KV is written
     held: int = 0  # tokens of KV blocks held (target; and draft, if speculative)
+    shared: int = 0  # of the target's, tokens held in prefix-cache entries (counted there)
+    cache_keys: list = field(default_factory=list)  # the prefix-cache entries it holds
     emitted: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -172,6 +179,8 @@ class Replica:
         self.probe = DraftProbe()    # the engine's: drafts now and then when no one has
         self.acceptance = AcceptanceEstimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self.drafted = self.accepted = 0  # draft tokens since start (the dashboard's rate)
+        unit = kv_rules.prefix_unit(BLOCK_TOKENS, default_prefill_align(cfg.max_batched_tokens))
+        self.cache = PrefixCache(BLOCK_TOKENS, unit) if cfg.prefix_caching else None
 
     # -- memory -------------------------------------------------------------------------------
     def _bytes(self, tokens: int, speculative: bool) -> list[float]:
@@ -188,16 +197,37 @@ class Replica:
         return all(f + (0.0 if empty else u) + n <= m
                    for f, u, n, m in zip(c.fixed_bytes, self.used, need, c.gpu_bytes))
 
+    def _own(self, seq: Seq, tokens: int, speculative: bool) -> list[float]:
+        """The bytes of seq's KV at `tokens` tokens that no prefix-cache entry counts."""
+        c, own = self.cfg, max(tokens - seq.shared, 0)
+        return [own * t + (tokens * d if speculative else 0.0) for t, d in zip(c.target_kv, c.draft_kv)]
+
+    def _cached(self, tokens: int) -> list[float]:
+        return [tokens * t for t in self.cfg.target_kv]
+
     def _hold(self, seq: Seq, tokens: int, speculative: bool) -> None:
-        """seq now holds `tokens` of KV (draft KV too if speculative)."""
-        old, new = self._bytes(seq.held, seq.speculative), self._bytes(tokens, speculative)
+        """seq now holds `tokens` of KV (draft KV too if speculative); at 0 it lets go of its
+        prefix-cache entries, and a cache that no longer fits beside what is held shrinks."""
+        old, new = self._own(seq, seq.held, seq.speculative), self._own(seq, tokens, speculative)
         self.used = [u - o + n for u, o, n in zip(self.used, old, new)]
         seq.held, seq.speculative = tokens, speculative
-        self.peak_bytes = max(self.peak_bytes, max(f + u for f, u in zip(self.cfg.fixed_bytes, self.used)))
+        if not tokens and seq.cache_keys:
+            self.cache.release(seq.cache_keys)
+            seq.cache_keys, seq.shared = [], 0
+        c = self.cfg
+        while self.cache is not None and any(
+                f + u + b > m for f, u, b, m in zip(c.fixed_bytes, self.used,
+                                                    self._cached(self.cache.tokens), c.gpu_bytes)):
+            if not self.cache.evict():
+                break
+        held = self._cached(self.cache.held_tokens if self.cache else 0)
+        self.peak_bytes = max(self.peak_bytes, max(f + u + h for f, u, h in zip(c.fixed_bytes, self.used, held)))
 
     def _free_bytes(self) -> list[float]:
-        c = self.cfg
-        return [m - f - u for m, f, u in zip(c.gpu_bytes, c.fixed_bytes, self.used)]
+        """Per GPU, what is neither held by a sequence nor by a cache entry a sequence holds
+        (unheld entries are evicted when the memory is taken)."""
+        c, held = self.cfg, self._cached(self.cache.held_tokens if self.cache else 0)
+        return [m - f - u - h for m, f, u, h in zip(c.gpu_bytes, c.fixed_bytes, self.used, held)]
 
     def _downgrade(self, seq: Seq) -> None:
         self._hold(seq, seq.held, False)
@@ -223,15 +253,26 @@ class Replica:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             tokens = _blocks(seq.prefill_left + 1)
+            # the cached prefix it may take, its entries, and tokens of them no one holds
+            hit, keys, unheld = (self.cache.lookup(seq.spec.prefix, seq.spec.prompt_tokens)
+                                 if self.cache else (0, [], 0))
             free = self._free_bytes()
+
+            def need(speculative: bool) -> list[float]:   # its own KV and the entries it holds
+                return [n - b + u for n, b, u in zip(self._bytes(tokens, speculative),
+                                                    self._cached(hit), self._cached(unheld))]
             if seq.speculative and self.cfg.engine_downgrade and not all(
                     kv_rules.keeps_speculation(fr - n, b)
-                    for fr, n, b in zip(free, self._bytes(tokens, True), budget)):
+                    for fr, n, b in zip(free, need(True), budget)):
                 seq.speculative, seq.k_cap, seq.tier = False, 0, "baseline"  # admitted as baseline
             if not all(kv_rules.fits_beside_growth(n, fr, len(self.running), g)
-                       for n, fr, g in zip(self._bytes(tokens, seq.speculative), free, growth)):
+                       for n, fr, g in zip(need(seq.speculative), free, growth)):
                 break
             self.waiting.popleft()
+            if self.cache is not None:
+                self.cache.hold(keys, seq.spec.prompt_tokens, hit)
+                seq.cache_keys, seq.shared = keys, hit
+                seq.computed, seq.prefill_left = hit, seq.prefill_left - hit
             self._hold(seq, tokens, seq.speculative)
             if seq.admit_s is None:
                 seq.admit_s = now
@@ -358,6 +399,11 @@ class Replica:
             s.prefill_left -= c
             s.computed += c
             if not s.prefill_left:  # the prompt (or, after a preemption, everything) is in
+                if self.cache is not None and s.spec.prefix:   # its full blocks are cached
+                    moved, s.cache_keys = self.cache.insert(s.spec.prefix, s.spec.prompt_tokens,
+                                                            s.cache_keys)
+                    self.used = [u - b for u, b in zip(self.used, self._cached(moved))]
+                    s.shared += moved
                 s.lag = s.computed if s.speculative else 0   # the draft has read none of it
                 s.emitted += 1
                 emitted += 1
@@ -386,11 +432,15 @@ class Replica:
             num_running=len(self.running), num_waiting=min(self.blocked, len(self.waiting)),
             num_speculative=sum(1 for s in self.running if s.speculative),
             kv_budget_bytes=int(c.gpu_bytes[g] - c.fixed_bytes[g]),
-            kv_used_target_bytes=int(self.used[g] - draft_used), kv_used_draft_bytes=int(draft_used),
+            kv_used_target_bytes=int(self.used[g] - draft_used
+                                     + c.target_kv[g] * (self.cache.held_tokens if self.cache else 0)),
+            kv_used_draft_bytes=int(draft_used),
             target_kv_bytes_per_token=c.target_kv[g], draft_kv_bytes_per_token=c.draft_kv[g],
             context_tokens=sum(s.context for s in self.running), max_model_len=max_context,
             cost=CalibratedCost(self.belief.base, self.belief.per_seq_s, self.belief.spec_scale),
             acceptance_rate=self.accepted / self.drafted if self.drafted else None,
             token_acceptance=a if self.drafted else None,
             speculating_acceptance=tuple(s.estimate(a) for s in self.running if s.speculative),
+            prefix_cache_queries=self.cache.queries if self.cache else 0,
+            prefix_cache_hits=self.cache.hits if self.cache else 0,
             time=now)

@@ -8,6 +8,7 @@ same under every policy and every load; acceptance draws are indexed by output p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ class Deployment:
     #   datasheet roofline (engine/hardware.py)
     cost_mismatch: float = 0.0  # the engines believe speculation costs (1 + m) x what it does
     gpu_hour_usd: float = 2.0  # price of one GPU-hour (cost per million output tokens)
+    prefix_caching: bool = True  # the replicas reuse cached prompt prefixes (the engine's default)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,9 @@ class Workload:
     slo_ttft_s: float = 2.0  # SLO: time to first token at most this ...
     slo_tpot_s: float = 0.1  # ... and time per output token after it at most this
     open_loads: tuple[float, ...] = ()  # QPS for --arrivals poisson | bursty (closed-loop scenarios)
+    system_prompt_tokens: int = 0  # every prompt starts with the same system prompt, this long
+    turns: int = 1  # closed loop: a user's conversation runs this many requests, each prompt
+    #   resending the ones before it with their answers (a shared prefix the cache can keep)
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,17 @@ SCENARIOS: dict[str, Scenario] = {
         (Section("sharded", "article"), Section("whole", "article")),
         article=ARTICLE_CLAIMS,
     ),
+    "chat-4xa100": Scenario(
+        "chat-4xa100",
+        "the seed's hardware and models under chat traffic: a 1,200-token system prompt on "
+        "every request, conversations of six turns that resend their history (what the prefix "
+        "cache keeps; --prefix-caching off for the engine without it)",
+        Deployment("A100-80GB", "Llama-2-70B", 4, "Llama-2-7B", small="Llama-3-8B", small_replicas=4,
+                   step_times="fitted"),
+        Workload(loads=(1, 4, 8, 16, 32, 48, 64), quick_loads=(1, 16, 48), prompt_median=120,
+                 output_median=200, system_prompt_tokens=1200, turns=6),
+        (Section("sharded", "article"),),
+    ),
     "h200-70b": Scenario(
         "h200-70b",
         "the same models on 4x H200 (141 GB each): more KV headroom, faster HBM",
@@ -193,10 +209,38 @@ class RequestSpec:
     acceptance: float  # true per-token acceptance rate of the draft on this request
     think_s: float  # closed loop: the user's pause before sending it
     seed: int  # seeds the per-position acceptance draws
+    prefix: tuple[tuple[str, int], ...] = ()  # the prompt's shareable prefixes, shortest first:
+    #   (key, tokens); a key names content (the system prompt; a conversation so far), so two
+    #   prompts that carry the same key start with the same tokens up to the shorter length
 
 
 def make_request(w: Workload, mix: AcceptanceMix, seed: int, user: int, index: int,
                  max_context: int) -> RequestSpec:
+    """The request `user` sends `index`-th. With a system prompt or multi-turn conversations,
+    its prompt is the system prompt, the conversation's earlier prompts' new text and answers,
+    then this turn's new text (drawn as a single request's prompt); a conversation that would
+    not fit the context starts again from the system prompt."""
+    spec = _single(w, mix, seed, user, index, max_context)
+    if not w.system_prompt_tokens and w.turns <= 1:
+        return spec
+    turns = max(w.turns, 1)
+    system = min(w.system_prompt_tokens, max_context - spec.max_tokens - 1)
+    history, start = 0, index // turns * turns
+    for j in range(start, index + 1):
+        text = _single(w, mix, seed, user, j, max_context) if j < index else spec
+        room = max_context - text.max_tokens
+        if system + history + text.prompt_tokens > room:
+            history, start = 0, j
+        prompt = min(room, system + history + text.prompt_tokens)
+        history += text.prompt_tokens + text.output_tokens
+    prefix = ((("system", system),) if system else ()) + (
+        ((f"conversation:{user}:{start}", prompt),) if w.turns > 1 else ())
+    return dataclasses.replace(spec, prompt_tokens=prompt, prefix=prefix)
+
+
+def _single(w: Workload, mix: AcceptanceMix, seed: int, user: int, index: int,
+            max_context: int) -> RequestSpec:
+    """A request on its own: its prompt, answer, acceptance and think time."""
     rng = random.Random(f"{seed}:{user}:{index}")
 
     def lognormal(median: int, sigma: float, lo: int, hi: int) -> int:

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arrivals", choices=("closed", "poisson", "bursty"), default=None,
                         help="closed-loop users, or open loop at the scenario's open_loads "
                              f"(poisson, or bursty: gamma gaps, cv {BURSTY_CV:g})")
+    parser.add_argument("--prefix-caching", choices=("on", "off"), default=None,
+                        help="the replicas reuse cached prompt prefixes (on: the engine's default; "
+                             "what it buys shows on scenarios whose prompts share prefixes, chat-4xa100)")
     from cluster.sim.local import add_arguments as local_arguments
 
     local_arguments(parser)          # --scenario local-cpu: this machine's profiled family
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from tqdm import tqdm
 
-    scn = with_options(SCENARIOS[args.scenario], args.mismatch, args.arrivals)
+    scn = with_options(SCENARIOS[args.scenario], args.mismatch, args.arrivals, args.prefix_caching)
     loads = scn.workload.quick_loads if args.quick else scn.workload.loads
     placements = sorted({s.draft_placement for s in scn.sections}, reverse=True)
     total = len(scn.sections) * len(loads) * len(POLICIES) + len(placements) * len(scn.single_user_mixes) * 3
@@ -97,8 +100,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["checks"]["pass"] else 1
 
 
-def with_options(scn: Scenario, mismatch: float | None, arrivals: str | None) -> Scenario:
-    """The scenario with a cost mismatch and/or another arrival process."""
+def with_options(scn: Scenario, mismatch: float | None, arrivals: str | None,
+                 prefix_caching: str | None = None) -> Scenario:
+    """The scenario with a cost mismatch, another arrival process, prefix caching on or off."""
+    if prefix_caching is not None:
+        scn = replace(scn, deployment=replace(scn.deployment, prefix_caching=prefix_caching == "on"))
     if mismatch is not None:
         if not -1 < mismatch:
             raise ValueError("--mismatch must be > -1")

@@ -46,6 +46,7 @@ class RunResult:
     calibrated_per_seq_s: float = 0.0  # what the serving engine learnt beyond its base model
     calibrated_spec_scale: float = 1.0  # ... and its draft's price over the base's
     path_s: float = 0.0  # Workload.path_s: in every latency and first token
+    prefix_hit_rate: float | None = None  # prompt tokens found in the prefix cache (None: off)
 
     def row(self) -> dict:
         done = [s for s in self.seqs if s.finish_s is not None]
@@ -77,7 +78,7 @@ class RunResult:
             "decode_tok_s_per_seq": (sum(s.spec.output_tokens - 1 for s in done) / decode_s
                                      if decode_s else 0.0),
             "p50_queue_s": _pct(queue, 50), "p95_queue_s": _pct(queue, 95),
-            "peak_memory_gib": self.peak_memory_gib,
+            "peak_memory_gib": self.peak_memory_gib, "prefix_hit_rate": self.prefix_hit_rate,
             "refused": len(self.seqs) - len(done), "completed": len(done),
             "speculative_fraction": sum(1 for s in done if s.tier == "speculative") / max(len(done), 1),
             "acceptance_rate": sum(s.accepted for s in done) / max(sum(s.drafted for s in done), 1),
@@ -119,6 +120,9 @@ def simulate(target: ReplicaConfig, small: ReplicaConfig | None, policy: str, wo
     result.calibrated_per_seq_s = serving[0].belief.per_seq_s
     result.calibrated_spec_scale = serving[0].belief.spec_scale
     result.path_s = workload.path_s
+    caches = [r.cache for r in serving if r.cache is not None]
+    if caches and sum(c.queries for c in caches):
+        result.prefix_hit_rate = sum(c.hits for c in caches) / sum(c.queries for c in caches)
     return result
 
 

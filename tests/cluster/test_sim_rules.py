@@ -135,3 +135,54 @@ def test_both_sides_take_the_same_downgrade_threshold(monkeypatch):
     _sim_admits()
     assert seen == {"engine": kv_rules.SPEC_MIN_FREE_FRACTION, "simulator": kv_rules.SPEC_MIN_FREE_FRACTION}
     assert SchedulerLimits().spec_min_free_fraction == kv_rules.SPEC_MIN_FREE_FRACTION
+
+
+PREFIX = 128          # tokens both sides hold cached for the second prompt
+
+
+def _engine_takes_cached(prompt: int) -> int:
+    """A first prompt of PREFIX tokens computed, keyed and let go; a second prompt of `prompt`
+    tokens that starts with it: the tokens it takes from the cache."""
+    from engine.prefix_cache import chain_keys
+
+    sched = _scheduler(32)
+    tokens = list(range(1, prompt + 1))
+    blocks = sched.pool.allocate(PREFIX // 16, "target")
+    for block, key in zip(blocks, chain_keys(tokens, 16, b"target", [], PREFIX // 16)):
+        sched.pool.cache.register(block, key)
+    sched.pool.free(blocks, "target")
+    seq = Sequence("r", tokens, SamplingParams(max_tokens=8), RequestOptions(mode=Mode.BASELINE))
+    sched.add(seq)
+    sched.schedule()
+    assert seq in sched.running
+    return seq.num_computed
+
+
+def _sim_takes_cached(prompt: int) -> int:
+    from cluster.sim.prefix import PrefixCache
+
+    replica = _replica(1e6)
+    replica.cache = PrefixCache(16, kv_rules.prefix_unit(16, SchedulerLimits().prefill_align))
+    replica.cache.insert((("conversation", PREFIX),), PREFIX, [])
+    replica.cache.release(["conversation"])
+    seq = Seq(RequestSpec(0, 0, prompt, 8, 8, "code", 0.7, 0.0, 0, (("conversation", prompt),)),
+              arrival_s=1.0)
+    replica.waiting.append(seq)
+    replica.admit(0.0, 60.0)
+    assert seq in replica.running
+    return seq.computed
+
+
+@pytest.mark.parametrize("changed", [False, True])
+@pytest.mark.parametrize("prompt", [PREFIX, PREFIX + 1, PREFIX + 40])
+def test_both_sides_take_the_same_cached_prefix(monkeypatch, changed, prompt):
+    """The tokens a prompt takes from the prefix cache follow `kv_rules.reusable_prefix` and
+    `kv_rules.prefix_unit` on both sides; a changed rule changes both alike."""
+    if changed:   # one unit less than the rule allows
+        real = kv_rules.reusable_prefix
+        monkeypatch.setattr(kv_rules, "reusable_prefix",
+                            lambda p, c, u: max(real(p, c, u) - u, 0))
+    engine, sim = _engine_takes_cached(prompt), _sim_takes_cached(prompt)
+    assert engine == sim
+    unit = kv_rules.prefix_unit(16, SchedulerLimits().prefill_align)
+    assert engine == max(min(PREFIX, prompt - 1) // unit * unit - (unit if changed else 0), 0)
