@@ -9,7 +9,11 @@ from pathlib import PurePosixPath
 
 GROUPS = {
     # the tiny family, the target with fixed k (adaptive_k false)
-    "tiny-fixed-k": ("test_bench_serve.py", "test_draft_swap_serving.py", "test_seeded_http.py"),
+    "tiny-fixed-k": ("test_bench_serve.py", "test_draft_swap_serving.py", "test_seeded_http.py",
+                     "test_bench_chat.py"),   # last: it leaves the app with caching off
+    # the long-context family, fixed k, a small tier that takes one request and queues one
+    # (serving_helpers.LONG_SERVING); the fuzz last: its last test kills the small replica
+    "long-serving": ("test_serving.py", "test_fuzz.py"),
 }
 
 
@@ -19,6 +23,22 @@ def group_of(path: str) -> str | None:
     if len(parts) < 2 or parts[-2] != "deployments":
         return None
     return next((g for g, names in GROUPS.items() if parts[-1] in names), None)
+
+
+def run_order(paths: list[str]) -> list[int]:
+    """Indices of test items (by their module paths, in collection order) in the order to run
+    them: where a group's modules are collected, its modules in the group's order."""
+    first: dict[str, int] = {}
+    keys = []
+    for i, path in enumerate(paths):
+        group = group_of(path)
+        if group is None:
+            keys.append((i, 0, i))
+            continue
+        first.setdefault(group, i)
+        name = PurePosixPath(path.replace("\\", "/")).name
+        keys.append((first[group], GROUPS[group].index(name), i))
+    return sorted(range(len(paths)), key=keys.__getitem__)
 
 
 def served(scope: str) -> bool:

@@ -22,6 +22,14 @@ def odd_draft(tiny_family, tmp_path_factory):
     return make_odd_draft(tmp_path_factory.mktemp("odd-draft") / "draft", tiny_family["target"])
 
 
+def pytest_collection_modifyitems(items):
+    """The modules of an app group run in the group's order (tests/app_groups.py)."""
+    from app_groups import run_order
+
+    order = run_order([item.nodeid.split("::")[0] for item in items])
+    items[:] = [items[i] for i in order]
+
+
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile`, with the modules of one app group (tests/app_groups.py) as one unit:
     they run on one worker, one after the other, on one served app."""

@@ -81,19 +81,25 @@ def script(args, repeat: int = 0) -> tuple[str, list[list[str]]]:
     return "\n\n".join(parts), users
 
 
-async def cache_counts(client, admin_key: str | None, at_least: int = 0,
-                       wait_s: float = 15.0) -> tuple[int, int] | None:
+async def cache_counts(client, admin_key: str | None, at_least: int | None = None,
+                       wait_s: float = 15.0, settle_s: float = 1.0) -> tuple[int, int] | None:
     """The target tier's (prefix-cache queries, hits), in prompt tokens, from `/health` (admin
-    keys only; None without one): once queries reach `at_least`, as the replicas report
-    periodically (None if they do not within `wait_s`)."""
+    keys only; None without one), as the replicas report them periodically: once queries reach
+    `at_least`, or (None) once they have not changed for `settle_s`, so that requests sent
+    before are counted (None if neither within `wait_s`)."""
     if not admin_key:
         return None
-    deadline = time.monotonic() + wait_s
+    deadline, last, since = time.monotonic() + wait_s, None, time.monotonic()
     while True:
         r = await client.get("/health", headers={"Authorization": f"Bearer {admin_key}"})
         tier = r.json().get("tiers", {}).get("target", {})
-        if tier.get("prefix_cache_queries", 0) >= at_least:
-            return tier["prefix_cache_queries"], tier["prefix_cache_hits"]
+        counts = tier.get("prefix_cache_queries", 0), tier.get("prefix_cache_hits", 0)
+        if at_least is not None and counts[0] >= at_least:
+            return counts
+        if counts != last:
+            last, since = counts, time.monotonic()
+        elif at_least is None and time.monotonic() - since >= settle_s:
+            return counts
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.25)
@@ -166,13 +172,17 @@ def _max_diff(off: list[dict], on: list[dict]) -> float:
                 for p, q in zip(ra, rb) for x, y in zip(p.logprobs, q.logprobs)), default=0.0)
 
 
-async def bench(url: str, key: str, args, deploy=None, admin_key: str | None = None) -> dict:
+async def bench(url: str, key: str, args, deploy=None, admin_key: str | None = None,
+                first: str = "off") -> dict:
     """`deploy(caching)` deploys the app with prefix caching on or off (None: one run as served),
-    off first (an app that served with caching on is left so); an admin key adds the prefix
-    cache's counts to each side."""
+    `first` first (off: an app that served with caching on is left so after one repeat); an
+    admin key adds the prefix cache's counts to each side."""
     import httpx
 
-    sides = {"off": [], "on": []} if deploy else {"served": []}
+    if first not in ("off", "on"):
+        raise ValueError(f"first must be 'off' or 'on', got {first!r}")
+    sides = ({first: [], ("on" if first == "off" else "off"): []} if deploy
+             else {"served": []})
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout_s,
                                  headers={"Authorization": f"Bearer {key}"}) as client:
         model = None

@@ -60,6 +60,13 @@ def app_config(family: dict, keys: list, **overrides) -> dict:
     return cfg
 
 
+# The "long-serving" group's app (tests/app_groups.py), on the long-context family. The small
+# tier takes one request at a time and queues one more: the overload test fills it; the other
+# tests never send it two at once. The tiny draft costs as much as the tiny target, so adaptive
+# k would never draft: draft k_max every step instead.
+LONG_SERVING = {"target": {"engine_args": {"adaptive_k": False}},
+                "small": {"max_ongoing_requests": 1, "max_queued_requests": 1}}
+
 _SHARED: dict = {"group": None, "stack": None, "app": None, "config": None}
 
 

@@ -1,8 +1,6 @@
 """`specserve bench serve` against a real local cluster (tiny models): the numbers it writes are
 internally consistent, every policy ran on the tier it names, and errors are counted by status.
-`specserve bench chat` on the same app, deployed again with prefix caching off and back on: the
-same greedy answers either way. About 50 s of load and deploys, on the app the tiny fixed-k
-group shares (tests/app_groups.py)."""
+On the app the tiny fixed-k group shares (tests/app_groups.py)."""
 
 import argparse
 import asyncio
@@ -10,7 +8,7 @@ import json
 
 import pytest
 
-from serving_helpers import redeploy, shared_app
+from serving_helpers import shared_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -96,38 +94,3 @@ def test_errors_are_counted_by_status(app):
     assert premium["errors_by_status"] == {"403": premium["requests_issued"]}
     assert premium["slo_attainment"] == 0 and premium["output_tok_s"] == 0
     assert economy["errors_by_status"] == {} and economy["tier_shares"] == {"small": 1.0}
-
-
-def test_bench_chat_answers_the_same_with_caching_on_and_off(app):
-    """Conversations that resend their history through HTTP: with caching on the target's cache
-    finds part of the prompts, with it off none, and every greedy answer is the same token for
-    token, with the same log-probabilities."""
-    from cluster.bench import chat
-
-    parser = argparse.ArgumentParser()
-    chat.add_arguments(parser)
-    args = parser.parse_args(["--conversations", "2", "--turns", "3", "--system-words", "25",
-                              "--user-words", "0", "--answer-tokens", "10",   # within 512 positions
-                              # a random model's argmax hardly reads its context: compare the
-                              # log-probabilities too (a wrong cached block moves them)
-                              "--logprobs"])
-    deploy = lambda caching: redeploy(app, target={"enable_prefix_caching": caching})  # noqa: E731
-    try:    # off, then on: the app is left as it was (caching on, the default)
-        report = asyncio.run(chat.bench(app.url, app.keys["auto"], args, deploy, app.admin_key))
-    except BaseException:
-        redeploy(app)
-        raise
-    on, off = report["sides"]["on"], report["sides"]["off"]
-    for side in (on, off):
-        tokens = [t["prompt_tokens_mean"] for t in side["turns"]]
-        assert len(tokens) == 3 and tokens[0] > 64 and tokens == sorted(tokens)   # histories grow
-        assert side["output_tokens"] == 2 * 3 * 10 and side["output_tok_s"] > 0
-        assert 0 < side["turns"][0]["ttft_p50_s"] <= side["turns"][0]["ttft_p90_s"]
-    assert off["turns"] == [dict(t, ttft_p50_s=o["ttft_p50_s"], ttft_p90_s=o["ttft_p90_s"])
-                            for t, o in zip(on["turns"], off["turns"])]   # the same prompts
-    assert on["prefix_cache"]["hits"] > 0 and off["prefix_cache"]["hits"] == 0
-    assert on["prefix_cache"]["queries"] == off["prefix_cache"]["queries"]
-    assert [len(a) for turn in report["answers"][0] for a in turn] == [10] * 6
-    assert report["answers_equal"]
-    # equal up to float rounding (a batch's other rows differ on and off): 7e-7 when measured
-    assert report["logprobs_max_diff"] < 1e-4

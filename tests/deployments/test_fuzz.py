@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from serving_helpers import MODEL, served_app
+from serving_helpers import LONG_SERVING, MODEL, shared_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -47,8 +47,7 @@ RAW_UTF8 = [b"\xc0\xaf", b"\xe0\x80\xaf", b"\xed\xa0\x80", b"\xff", b"\xf8\x88\x
 
 @pytest.fixture(scope="module")
 def app(long_family, module_tmp):
-    with served_app(module_tmp, long_family) as served:
-        yield served
+    return shared_app("long-serving", module_tmp, long_family, **LONG_SERVING)
 
 
 def _base(rng: random.Random, chat: bool) -> dict:
@@ -257,14 +256,15 @@ def test_a_stream_cut_by_a_replica_failure_ends_with_an_error_event(app):
 
     body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 3000, "ignore_eos": True,
             "stream": True}
+    # asked before the stream: the small tier takes one request at a time (LONG_SERVING)
+    pid = app.handle("SmallServer").stats.remote().result(timeout_s=30)["pid"]
     with app.client("economy") as client, client.stream("POST", "/economy/v1/completions",
                                                         json=body) as stream:
         lines = stream.iter_lines()
         for line in lines:
             if line.startswith("data: "):
                 break
-        os.kill(app.handle("SmallServer").stats.remote().result(timeout_s=30)["pid"],
-                signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         events = [line[6:] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]", events[-3:]
     error = json.loads(events[-2])["error"]

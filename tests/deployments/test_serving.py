@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from serving_helpers import MODEL, served_app, sse_events
+from serving_helpers import LONG_SERVING, MODEL, shared_app, sse_events
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -20,13 +20,7 @@ EXPECTED_TIER = {"premium": "speculative", "standard": "baseline", "economy": "s
 
 @pytest.fixture(scope="module")
 def app(long_family, module_tmp):
-    # The small tier takes one request at a time and queues one more: the overload test
-    # fills it; the other tests never send it two at once. The tiny draft costs as much as
-    # the tiny target, so adaptive k would never draft: draft k_max every step instead.
-    with served_app(module_tmp, long_family,
-                    target={"engine_args": {"adaptive_k": False}},
-                    small={"max_ongoing_requests": 1, "max_queued_requests": 1}) as served:
-        yield served
+    return shared_app("long-serving", module_tmp, long_family, **LONG_SERVING)
 
 
 def _completion(app, plan, **body):
