@@ -44,6 +44,32 @@ def test_health_and_models(app):
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
+def test_status_lists_every_replica_with_its_node_and_load(app, monkeypatch):
+    """`specserve status`'s replica table: Serve's replica actors, each tier replica with the
+    load its own stats report."""
+    import ray
+
+    from cluster.launch.status import fetch_health, replica_rows, serve_replicas
+
+    monkeypatch.setenv("SPECSERVE_ADMIN_KEY", app.admin_key)
+    deadline = time.time() + 30
+    while True:     # until Serve's stats broadcast (by replica id) has reached the ingress
+        health, why = fetch_health(app.url)
+        assert why is None
+        rows = replica_rows(serve_replicas("specserve"), health)
+        if all(r["state"] != "starting" for r in rows) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert {r["deployment"] for r in rows} == {"Ingress", "TargetServer", "SmallServer"}
+    node = ray.util.get_node_ip_address()
+    for r in rows:
+        assert r["node"] == node and r["pid"] > 0 and r["state"] == "serving", r
+        if r["deployment"] != "Ingress":
+            assert r["running"] >= 0 and r["waiting"] >= 0 and 0 <= r["kv_headroom"] <= 1, r
+    target = [r["replica"] for r in rows if r["deployment"] == "TargetServer"]
+    assert target == health["tiers"]["target"]["replica_ids"]
+
+
 @pytest.mark.parametrize("plan", ["auto", "premium", "standard", "economy"])
 def test_completions_on_every_endpoint(app, plan):
     r = _completion(app, plan, temperature=0)
