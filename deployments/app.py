@@ -19,6 +19,7 @@ from deployments.engine_server import ENGINE_CLASS
 from deployments.small import SmallDeployment
 from deployments.target import TargetDeployment
 from deployments.tp_group import TP_WORKER_CLASS
+from router.autoscaling import serve_autoscaling_config
 from router.config import AppConfig, TierModelConfig
 from router.ingress import IngressDeployment
 
@@ -60,9 +61,13 @@ def _tier_options(tier: TierModelConfig, cfg: AppConfig) -> dict:
             request_routing_stats_period_s=cfg.stats.period_s,
             request_routing_stats_timeout_s=max(5.0, 5 * cfg.stats.period_s)),
         health_check_period_s=5.0, health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0,
+        graceful_shutdown_timeout_s=(5.0 if tier.autoscaling is None
+                                     else tier.autoscaling.graceful_shutdown_s),
         ray_actor_options={"num_cpus": tier.num_cpus_per_rank, "num_gpus": tier.num_gpus_per_rank,
                            "resources": dict(tier.resources), "runtime_env": _runtime_env(tier)})
+    if tier.autoscaling is not None:      # Serve's autoscaler sets the count
+        del options["num_replicas"]
+        options["autoscaling_config"] = serve_autoscaling_config(tier.autoscaling)
     if tier.tp_size > 1:
         # One placement group per replica: bundle 0 holds the replica (rank 0), bundles
         # 1..N-1 the other ranks. STRICT_PACK keeps the group on one node.

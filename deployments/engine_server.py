@@ -167,6 +167,17 @@ class EngineServer:
             self._revive()
         return await asyncio.to_thread(self.engine.stats)
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this for its autoscaler (a tier with `autoscaling:`): queued + running
+        sequences, the share of the KV budget held, and the p95 time to first token of the last
+        30 s (0: none), which `router/autoscaling.py` scales the tier on."""
+        stats = await asyncio.to_thread(self.engine.stats)
+        budget = stats.kv_budget_bytes
+        ttft = self.metrics.recent_ttft.percentile(time.monotonic())
+        return {"sequences": float(stats.num_running + stats.num_waiting),
+                "kv_used": 1.0 - stats.kv_headroom_bytes / budget if budget else 0.0,
+                "ttft_p95_s": ttft or 0.0}
+
     async def stats(self) -> dict:
         """Engine stats and cumulative metrics, for `specserve status` and tests."""
         from dataclasses import asdict
@@ -310,6 +321,7 @@ class EngineServer:
                 if out.token_ids:
                     if first:
                         self.metrics.ttft.observe(now - start, tags={"tier": req.tier})
+                        self.metrics.recent_ttft.add(now, now - start)
                     else:
                         self.metrics.itl.observe((now - last) / len(out.token_ids),
                                                  tags={"tier": req.tier})

@@ -26,6 +26,7 @@ the engine counts (`engine/metrics.py`) nor the ingress's request and tier-decis
 
 from __future__ import annotations
 
+import math
 import time
 
 from ray.serve import metrics
@@ -53,6 +54,31 @@ _STATS_COUNTERS = {   # EngineStats field (cumulative) -> (metric name, descript
 }
 
 
+class RecentTimes:
+    """Durations observed in the last `window_s` seconds, for a percentile of them (the p95
+    time to first token a replica reports to Serve's autoscaler, router/autoscaling.py)."""
+
+    def __init__(self, window_s: float = 30.0, max_kept: int = 4096):
+        self.window_s, self.max_kept = window_s, max_kept
+        self._times: list[tuple[float, float]] = []      # (when, duration), oldest first
+
+    def add(self, now: float, value: float) -> None:
+        self._times.append((now, value))
+        if len(self._times) > self.max_kept:
+            del self._times[:len(self._times) - self.max_kept]
+
+    def percentile(self, now: float, q: float = 0.95) -> float | None:
+        """The q-quantile (nearest rank) of what was observed within the window; None: none."""
+        cut = 0
+        while cut < len(self._times) and now - self._times[cut][0] > self.window_s:
+            cut += 1
+        del self._times[:cut]
+        if not self._times:
+            return None
+        values = sorted(v for _, v in self._times)
+        return values[max(0, math.ceil(q * len(values)) - 1)]
+
+
 class ReplicaMetrics:
     """Serve metrics of one tier replica; call `export(engine)` every second or so."""
 
@@ -60,6 +86,7 @@ class ReplicaMetrics:
         import ray
 
         self.tier_kind = tier_kind
+        self.recent_ttft = RecentTimes()
         # Outside a Ray worker (the class used in a plain process, as in tests) a metric call
         # would start a Ray instance of its own: there, record nothing.
         self.enabled = ray.is_initialized()

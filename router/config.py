@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router.autoscaling import Autoscaling
 from router.capture import CaptureConfig
 from engine.config import EngineConfig
 from router.policy import PLANS, TIERS, PolicyConfig
@@ -32,7 +33,11 @@ class TierModelConfig(_Strict):
     model: str = Field(description="local Hugging Face checkpoint folder")
     draft: str | None = Field(None, description="draft checkpoint folder (target tier only)")
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks per replica")
-    num_replicas: int = Field(1, ge=1, description="replicas (one placement group each)")
+    num_replicas: int = Field(1, ge=1, description="replicas (one placement group each); "
+                              "with `autoscaling`, the autoscaler sets the count instead")
+    autoscaling: Autoscaling | None = Field(None, description="scale the tier's replicas on "
+                                            "their load (router/autoscaling.py); None: fixed "
+                                            "num_replicas")
     dtype: str = Field("float32", description="weights and KV; auto: bfloat16 where the device "
                        "computes it natively (AVX512-BF16/AMX CPUs, GPUs), else float32")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -88,6 +93,9 @@ class TierModelConfig(_Strict):
         unknown = set(self.engine_args) - known
         if unknown:
             raise ValueError(f"engine_args {sorted(unknown)} are not EngineConfig fields")
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("give num_replicas or autoscaling, not both: with autoscaling the "
+                             "replica count is min_replicas..max_replicas")
         if self.engine_process is True and self.tp_size > 1:
             raise ValueError("engine_process runs a tp_size 1 engine; a tensor-parallel target's "
                              "rank 0 drives its peers in the replica's process")
