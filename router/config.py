@@ -261,7 +261,17 @@ class AppConfig(_Strict):
             raise ValueError("the small tier runs without a draft; remove small.draft")
         if self.small is not None and self.small.tp_size != 1:
             raise ValueError("the small tier runs with tp_size 1")
+        if self.target.autoscaling is not None and self.target.autoscaling.min_replicas == 0:
+            raise ValueError("the target tier cannot scale to zero (every plan but economy "
+                             "needs it); only the small tier takes autoscaling.min_replicas 0")
         return self
+
+    @property
+    def scales_to_zero(self) -> frozenset[str]:
+        """Tiers (`small`) whose autoscaler may leave no replica: while one is cold, economy
+        goes to baseline (`small_cold`) and a request wakes it."""
+        small = self.small.autoscaling if self.small is not None else None
+        return frozenset({"small"}) if small is not None and small.min_replicas == 0 else frozenset()
 
     @property
     def served_model_names(self) -> list[str]:

@@ -52,6 +52,7 @@ from router.wire import GenerateChunk, GenerateRequest, combined, find_tier_erro
 logger = logging.getLogger("ray.serve")
 DOWN_CODES = ("replica_restarting", "replica_failed")     # the replica's engine is down
 DOWN_RETRY_DELAYS_S = (0.2, 0.5, 1.0)    # then again, while the stats catch up (one period)
+WAKE_TIMEOUT_S = 300.0    # how long a call that wakes a cold tier waits for its first replica
 FALLBACK_TIER = {"premium": "speculative", "standard": "baseline", "economy": "small",
                  "auto": "baseline"}
 
@@ -66,7 +67,9 @@ class Ingress:
             self.handles["small"] = small_handle
         self.policy_config = self.cfg.policy
         self.policy_state = policy.PolicyState()
-        self.observer = Observer(self.policy_config.default_acceptance, tuple(self.handles))
+        self.observer = Observer(self.policy_config.default_acceptance, tuple(self.handles),
+                                 self.cfg.scales_to_zero)
+        self._waking: set[str] = set()
         self.live = LiveStats(self.handles, self.observer, self.cfg.stats.period_s,
                               self.cfg.stats.stale_after_s)
         self.capture = CaptureBuffer(self.cfg.capture)      # off unless the config opts in
@@ -148,8 +151,26 @@ class Ingress:
             k_max, reason = (self.policy_config.k_max if tier == "speculative" else 0), "policy_error"
         if tier == "small" and "small" not in self.handles:
             tier, reason = "baseline", "no_small_tier"
+        if reason == "small_cold":
+            self._wake("small")
         self.metrics.decided(tier, reason)
         return tier, k_max, reason, req.prompt_class
+
+    def _wake(self, kind: str) -> None:
+        """Start a replica of a tier scaled to zero: a call waiting at its handle is what Serve's
+        autoscaler starts one for (router/autoscaling.py, `cold_start`). One at a time."""
+        if kind in self._waking:
+            return
+        self._waking.add(kind)
+
+        async def wake():
+            try:
+                await asyncio.wait_for(self.handles[kind].ready.remote(), WAKE_TIMEOUT_S)
+            except Exception as exc:       # the next cold request tries again
+                logger.warning("waking the %s tier: %r", kind, exc)
+            finally:
+                self._waking.discard(kind)
+        asyncio.get_running_loop().create_task(wake())
 
     async def _start(self, gen_req: GenerateRequest):
         """Send to the tier and wait for the first chunk, so errors become HTTP statuses. A
@@ -307,7 +328,9 @@ class Ingress:
     async def health(self, request: Request) -> Response:
         self.live.start()
         tiers = self.observer.health(profile=request.query_params.get("profile") == "1")
-        ready = all(t["replicas"] > 0 for t in tiers.values())
+        # a tier scaled to zero serves through another (small_cold): the service is up
+        ready = all(t["replicas"] > 0 or kind in self.cfg.scales_to_zero
+                    for kind, t in tiers.items())
         status = "draining" if self.admission.draining else "ok" if ready else "starting"
         body = {"status": status}
         if admin.is_admin(self.keys, request):      # details (replica ids, load): admins only

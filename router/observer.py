@@ -48,8 +48,10 @@ class RequestOutcome:
 
 
 class Observer:
-    def __init__(self, default_acceptance: float = 0.6, kinds: tuple[str, ...] = ("target", "small")):
+    def __init__(self, default_acceptance: float = 0.6, kinds: tuple[str, ...] = ("target", "small"),
+                 scales_to_zero: frozenset[str] = frozenset()):
         self.default_acceptance = default_acceptance
+        self.scales_to_zero = scales_to_zero     # kinds whose autoscaler may leave no replica
         self.replicas: dict[str, dict[str, EngineStats]] = {k: {} for k in kinds}
         self.num_queued: dict[str, int] = {k: 0 for k in kinds}   # held by this caller, unsent
         self.by_class: dict[str, AcceptanceEstimate] = {}
@@ -143,8 +145,10 @@ class Observer:
     def _tier(self, kind: str) -> TierStats:
         queued = self.num_queued.get(kind, 0)
         s = self.next_replica(kind)
-        if s is None:       # none known: none yet (starting), or every one gone
-            return TierStats(queue_depth=queued, available=not self.seen.get(kind, False))
+        if s is None:       # none known: none yet (starting), or every one gone (or cold)
+            cold = kind in self.scales_to_zero
+            return TierStats(queue_depth=queued, cold=cold,
+                             available=not cold and not self.seen.get(kind, False))
         replica_id = next(r for r, x in self.replicas[kind].items() if x is s)
         draft_kv = s.draft_kv_bytes_per_token if kind == "target" else 0.0
         n = len(self.output_lengths)

@@ -6,6 +6,8 @@ in and out (`decision.state` is the state for the next call); there are no globa
 Imports neither torch nor Ray; knows nothing about HTTP, replicas or how stats are gathered.
 
 Rules, first match wins (reasons are machine-readable and returned to the caller):
+  small tier cold (scaled to zero), plan economy -> baseline  small_cold  (at the economy
+                           price; the ingress wakes the small tier)
   small tier down, plan economy -> baseline  tier_down  (at the economy price)
   target down, the caller allows a downgrade, small up -> small  tier_down
                            (else the request goes to the target, whose replica answers 503
@@ -14,8 +16,8 @@ Rules, first match wins (reasons are machine-readable and returned to the caller
   speculation=off        -> baseline   speculation_off   (always honoured)
   premium / speculation=on -> speculative plan_premium | speculation_on, unless the target
                            has no draft (no_draft) or too little KV headroom (kv_headroom)
-  queue deep (hysteresis)-> small, if the caller allows a downgrade and the small tier's
-                           queue is shorter                                   queue_deep
+  queue deep (hysteresis)-> small, if the caller allows a downgrade and the small tier is
+                           up with a shorter queue                            queue_deep
   plan standard          -> baseline   plan_standard
   plan auto              -> baseline   no_draft | kv_headroom | drafting_loses (the engine
                            measured drafting delivering less than plain decoding at its live
@@ -47,7 +49,7 @@ SPECULATION = ("auto", "on", "off")
 TIERS = ("speculative", "baseline", "small")
 REASONS = ("speculation_off", "plan_economy", "plan_premium", "speculation_on", "no_draft",
            "kv_headroom", "queue_deep", "plan_standard", "drafting_loses", "acceptance_low",
-           "speculation_pays", "tier_down")
+           "speculation_pays", "tier_down", "small_cold")
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,8 @@ class Decision:
 def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
                 config: PolicyConfig = PolicyConfig()) -> Decision:
     small, target = stats.small, stats.target
+    if request.plan == "economy" and small is not None and small.cold and target.available:
+        return Decision("baseline", 0, "small_cold", state)
     if request.plan == "economy" and small is not None and not small.available \
             and target.available:
         return Decision("baseline", 0, "tier_down", state)
@@ -136,7 +140,7 @@ def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
     else:
         deep = target.queue_depth >= config.queue_deep_enter
     state = replace(state, queue_deep=deep)
-    if deep and request.allow_downgrade and stats.small is not None \
+    if deep and request.allow_downgrade and stats.small is not None and stats.small.available \
             and stats.small.queue_depth < target.queue_depth:
         return Decision("small", 0, "queue_deep", state)
     if request.plan == "standard":

@@ -39,6 +39,8 @@ class TierStats:
     #   decoding at its live acceptance (engine/goodput.py)
     available: bool = True  # False: every replica of the tier reported itself down (its engine
     #   restarting or dead), or the tier has none left
+    cold: bool = False  # no replica, as its autoscaler may leave it (min_replicas 0): a request
+    #   that waits at its handle starts one
 
     def __post_init__(self) -> None:
         if min(self.decode_batch_size, self.num_speculating, self.queue_depth) < 0:

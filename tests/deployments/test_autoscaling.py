@@ -119,10 +119,41 @@ def test_the_small_tier_scales_up_under_load_and_down_with_streams_in_flight(app
     assert done and all(s == 200 and n == 600 for s, n, _ in done), done
     assert [s for s, _, _ in inflight] == [200] * 2, inflight
     assert [n for _, n, _ in inflight] == [3500] * 2, inflight       # none cut
-    assert down_at < min(t for _, _, t in inflight), "the scale-down came after the streams"
+    # the count fell while streams ran (seen by polling Serve, so up to a poll late)
+    assert down_at < max(t for _, _, t in inflight), "the scale-down came after the streams"
     assert up_at < down_at
     assert len(removed) == 1, (busy, removed)    # it held one of the streams when it went
     with app.client("economy") as client:     # the tier serves on its one replica
         r = client.post("/economy/v1/completions", json={"model": MODEL, "prompt": "x",
                                                           "max_tokens": 4})
     assert r.status_code == 200 and httpx.get(app.url + "/health").status_code == 200
+
+
+def test_an_idle_small_tier_scales_to_zero_and_economy_wakes_it_without_waiting(app):
+    """With `min_replicas: 0` the idle small tier goes to zero replicas; an economy request then
+    runs on baseline at once (reason small_cold, at the small tier's price) and wakes the small
+    tier, which serves economy again once its replica is up."""
+    from router.billing import RunCounts, price_micro_usd
+    from router.config import AppConfig
+    from serving_helpers import redeploy
+
+    redeploy(app, small={"autoscaling": {**RULE, "min_replicas": 0}})
+    _wait(lambda: _running(app) == 0, 90, "the idle small tier at zero replicas")
+    prices = AppConfig.model_validate(app.config).prices
+
+    def economy():
+        with app.client("economy") as client:
+            r = client.post("/economy/v1/completions",
+                            json={"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        return r
+    cold = economy()
+    usage = cold.json()["usage"]
+    assert (cold.headers["x-specserve-tier"], cold.headers["x-specserve-reason"]) == (
+        "baseline", "small_cold")
+    small_price = price_micro_usd(prices, RunCounts("small", usage["prompt_tokens"],
+                                                    usage["completion_tokens"]))
+    assert round(usage["price_usd"] * 1e6) == small_price
+    _wait(lambda: _running(app) == 1, 90, "a small replica woken by the cold request")
+    _wait(lambda: economy().headers["x-specserve-tier"] == "small", 60,
+          "economy on the small tier again")

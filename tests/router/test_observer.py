@@ -255,3 +255,21 @@ def test_a_tier_is_down_when_every_replica_says_so_or_none_is_left():
     obs.retain("small", [])
     d = choose_tier(TierRequest(plan="economy"), obs.cluster_stats(), PolicyState())
     assert (d.tier, d.reason) == ("small", "plan_economy")   # both down: its own tier
+
+
+def test_a_small_tier_that_scales_to_zero_is_cold_not_down_when_it_has_no_replica():
+    """With `min_replicas: 0` the small tier's autoscaler may leave no replica: the tier is then
+    cold (economy goes to baseline as `small_cold`, and the ingress wakes it), not down; with a
+    replica again it serves economy."""
+    for scales in (frozenset({"small"}), frozenset()):
+        obs = Observer(scales_to_zero=scales)
+        obs.report("a", engine_stats())
+        small = obs.cluster_stats().small
+        assert small.cold == ("small" in scales) and small.available != small.cold
+        d = choose_tier(TierRequest(plan="economy"), obs.cluster_stats(), PolicyState())
+        assert (d.tier, d.reason) == (("baseline", "small_cold") if scales else
+                                      ("small", "plan_economy"))
+        obs.report("s", engine_stats(cost=None, draft_kv_bytes_per_token=0.0), "small")
+        assert not obs.cluster_stats().small.cold
+        obs.retain("small", [])
+        assert obs.cluster_stats().small.cold == ("small" in scales)

@@ -22,11 +22,13 @@ def target(**kw) -> TierStats:
     return TierStats(**{**base, **kw})
 
 
-def cluster(small_queue: int | None = 0, small_up: bool = True, **kw) -> ClusterStats:
+def cluster(small_queue: int | None = 0, small_up: bool = True, small_cold: bool = False,
+            **kw) -> ClusterStats:
     t = target(**kw)
     tiers = {"speculative": t, "baseline": t}
     if small_queue is not None:
-        tiers["small"] = TierStats(queue_depth=small_queue, available=small_up)
+        tiers["small"] = TierStats(queue_depth=small_queue, available=small_up and not small_cold,
+                                   cold=small_cold)
     return ClusterStats(tiers)
 
 
@@ -78,6 +80,15 @@ TABLE = [
     (req(), cluster(available=False), STATE, "speculative", "speculation_pays"),
     (req(plan="standard"), cluster(available=False), STATE, "baseline", "plan_standard"),
     (req(allow_downgrade=True), cluster(small_queue=None, available=False), STATE,
+     "speculative", "speculation_pays"),
+    # the small tier scaled to zero: economy to baseline (the ingress wakes the tier); a deep
+    # queue or a target down sends no one to wait on its cold start
+    (req(plan="economy"), cluster(small_cold=True), STATE, "baseline", "small_cold"),
+    (req(allow_downgrade=True), cluster(small_cold=True, queue_depth=20), STATE,
+     "speculative", "speculation_pays"),
+    (req(allow_downgrade=True), cluster(small_up=False, queue_depth=20), STATE,
+     "speculative", "speculation_pays"),
+    (req(allow_downgrade=True), cluster(small_cold=True, available=False), STATE,
      "speculative", "speculation_pays"),
 ]
 
@@ -154,9 +165,9 @@ def test_speculation_off_is_always_honoured(plan):
             for downgrade in (False, True):
                 d = choose_tier(req(plan=plan, speculation="off", allow_downgrade=downgrade), stats, state)
                 # Never speculative; an economy caller keeps the cheaper small tier (unless a
-                # tier is down: then the other non-speculative one).
+                # tier is down or cold: then the other non-speculative one).
                 assert d.tier != "speculative" and d.k_max == 0
-                if d.reason != "tier_down":
+                if d.reason not in ("tier_down", "small_cold"):
                     assert d.tier == ("small" if plan == "economy" else "baseline")
 
 
