@@ -9,6 +9,7 @@ Ray: `TierAutoscaler` is the thin adapter Serve's controller calls with its
 
 Rules, first match wins (`per replica` = summed over the replicas, divided by `current`):
   current 0 and requests waiting at a handle   -> 1            cold_start  (at once)
+  replicas still starting (Serve's target above current) -> the target   starting
   no replica has reported yet                  -> current      no_stats
   p95 TTFT of a replica > ttft_p95_s           -> current + 1  ttft_over_target  } after the
   queued + running per replica > target_sequences                                } condition
@@ -94,15 +95,19 @@ class Decision:
 
 
 def decide(current: int, loads: list[ReplicaLoad], rule: Autoscaling, state: ScaleState,
-           now: float, waiting_at_handles: float = 0.0) -> Decision:
-    """The tier's replica count by the rules in this module's docstring."""
+           now: float, waiting_at_handles: float = 0.0, target: int | None = None) -> Decision:
+    """The tier's replica count by the rules in this module's docstring: `current` replicas
+    run and report `loads`; `target` (None: current) is the count Serve is moving to."""
     def clamp(n: int) -> int:
         return max(rule.min_replicas, min(rule.max_replicas, n))
 
-    if current == 0:
+    target = current if target is None else target
+    if current == 0 and target == 0:
         if waiting_at_handles > 0:
             return Decision(clamp(1), "cold_start", ScaleState())
         return Decision(clamp(0), "hold", ScaleState())
+    if target > current:       # replicas starting: what they will take is not yet measured
+        return Decision(clamp(target), "starting", ScaleState())
     if not loads:
         return Decision(clamp(current), "no_stats", state)
     total = sum(r.sequences for r in loads) + waiting_at_handles
@@ -150,7 +155,8 @@ class TierAutoscaler:
         state = ScaleState(stored.get("up_since"), stored.get("down_since"))
         current = ctx.current_num_replicas
         queued = ctx.total_queued_requests or 0.0
-        decision = decide(current, loads, self.rule, state, ctx.current_time, queued)
+        decision = decide(current, loads, self.rule, state, ctx.current_time, queued,
+                          ctx.target_num_replicas)
         if decision.replicas != ctx.target_num_replicas:
             logger.info("autoscaling %s: %d -> %d replicas (%s)", ctx.deployment_name, current,
                         decision.replicas, decision.reason)

@@ -93,7 +93,8 @@ class TierModelConfig(_Strict):
         unknown = set(self.engine_args) - known
         if unknown:
             raise ValueError(f"engine_args {sorted(unknown)} are not EngineConfig fields")
-        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+        # (a dumped config carries num_replicas 1 beside autoscaling: that one is ignored)
+        if self.autoscaling is not None and self.num_replicas != 1:
             raise ValueError("give num_replicas or autoscaling, not both: with autoscaling the "
                              "replica count is min_replicas..max_replicas")
         if self.engine_process is True and self.tp_size > 1:

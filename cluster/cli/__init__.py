@@ -27,6 +27,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench load", "cluster.bench.load", "per-rank memory of loading a tensor-parallel shard (70B widths by default)"),
     ("bench sampler", "cluster.bench.sampler", "acceptance of the coupled (seeded) sampler next to rejection sampling"),
     ("bench failover", "cluster.bench.failover", "kill the target's engine process under load; time the recovery"),
+    ("bench ramp", "cluster.bench.ramp", "a load that rises and falls against autoscaling tiers: replicas per tier over time"),
     ("bench overload", "cluster.bench.overload", "drive a running cluster at 4x its capacity; check nothing is lost"),
     ("bench prefix", "cluster.bench.prefix", "multi-turn chat on one engine: prefix caching off vs on, TTFT per turn"),
     ("bench serve", "cluster.bench.serve", "drive a running cluster over HTTP: policies x loads, JSON + PNG"),

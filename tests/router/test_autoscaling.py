@@ -112,3 +112,18 @@ def test_serves_adapter_reads_the_replicas_metrics_and_keeps_its_state():
     assert n == 2 and state["up_since"] == 100.0
     n, state = policy(ctx(111.0, state, 20.0))
     assert (n, state["reason"], state["up_since"]) == (4, "queue_over_target", None)
+
+
+def test_while_replicas_start_the_count_holds_at_serves_target():
+    """A scale-up's replica takes seconds to start; meanwhile the load that asked for it still
+    shows on the running replicas. The rule holds at the target: it neither asks again (its
+    upscale clock restarted) nor falls back to the running count, which Serve would take as a
+    scale-down of the starting replica."""
+    busy = [ReplicaLoad(20, 0.3, 0.5), ReplicaLoad(20, 0.3, 0.5)]
+    up = decide(2, busy, RULE, ScaleState(up_since=0.0), 100.0)
+    assert (up.replicas, up.reason) == (4, "queue_over_target")
+    for t in (100.5, 101.0, 130.0):
+        d = decide(2, busy, RULE, up.state, t, target=4)
+        assert (d.replicas, d.reason) == (4, "starting")
+    cold = decide(0, [], RULE.model_copy(update={"min_replicas": 0}), ScaleState(), 5.0, target=1)
+    assert (cold.replicas, cold.reason) == (1, "starting")

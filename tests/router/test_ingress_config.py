@@ -30,6 +30,22 @@ def test_local_yaml_loads_with_the_demo_family(tmp_path):
     assert cfg.auth.keys_file and os.path.isabs(cfg.auth.keys_file)
 
 
+def test_the_autoscaling_config_loads_and_round_trips(tmp_path):
+    """A tier with `autoscaling:` survives load_config's path resolution (a dump and a second
+    validation, where num_replicas comes back beside it) and every other dump and reload;
+    everything but the tiers' replica settings is make run's."""
+    cfg = load_config(CONFIGS / "local-autoscale.yaml", demo_dir=tmp_path)
+    local = load_config(CONFIGS / "local.yaml", demo_dir=tmp_path)
+    assert cfg.target.autoscaling.max_replicas == 2 and cfg.small.autoscaling.max_replicas == 3
+    assert AppConfig.model_validate(cfg.model_dump()) == cfg
+    for tier in ("target", "small"):
+        a, b = getattr(cfg, tier).model_dump(), getattr(local, tier).model_dump()
+        assert {k: v for k, v in a.items() if k != "autoscaling"} == \
+            {k: v for k, v in b.items() if k != "autoscaling"}
+    assert cfg.model_dump(exclude={"target", "small", "plans"}) == \
+        local.model_dump(exclude={"target", "small", "plans"})
+
+
 def test_the_benchmark_config_serves_as_make_run_does(tmp_path):
     """The number published is the number served: bench-http.yaml differs from local.yaml (what
     `make run` serves) in the key it asks for and the names, never in a setting of a tier or of
