@@ -141,6 +141,7 @@ class TierAutoscaler:
 
     def __init__(self, **rule):
         self.rule = Autoscaling(**rule)
+        self._decisions = None      # the controller's counter of scaling decisions, once made
 
     def __call__(self, ctx) -> tuple[int, dict]:
         metrics = ctx.aggregated_metrics or {}
@@ -160,9 +161,29 @@ class TierAutoscaler:
         if decision.replicas != ctx.target_num_replicas:
             logger.info("autoscaling %s: %d -> %d replicas (%s)", ctx.deployment_name, current,
                         decision.replicas, decision.reason)
+            self._count(ctx.deployment_name, decision.reason)
         return decision.replicas, {"up_since": decision.state.up_since,
                                    "down_since": decision.state.down_since,
                                    "reason": decision.reason}
+
+
+    def _count(self, deployment: str, reason: str) -> None:
+        """`specserve_scaling_decisions{deployment, reason}`: each change of the replica count
+        this policy asks for (the Grafana dashboard's scaling panel)."""
+        try:
+            import ray
+
+            if not ray.is_initialized():      # outside a Ray process (the unit tests)
+                return
+            if self._decisions is None:
+                from ray.util import metrics
+
+                self._decisions = metrics.Counter(
+                    "specserve_scaling_decisions", tag_keys=("deployment", "reason"),
+                    description="Replica-count changes the tier's autoscaling policy asked for.")
+            self._decisions.inc(1, tags={"deployment": deployment, "reason": reason})
+        except Exception:      # metrics must never stop the controller's autoscaling
+            logger.exception("counting a scaling decision")
 
 
 def serve_autoscaling_config(rule: Autoscaling) -> dict:

@@ -127,6 +127,10 @@ def test_the_small_tier_scales_up_under_load_and_down_with_streams_in_flight(app
         r = client.post("/economy/v1/completions", json={"model": MODEL, "prompt": "x",
                                                           "max_tokens": 4})
     assert r.status_code == 200 and httpx.get(app.url + "/health").status_code == 200
+    # the controller's decisions reach Prometheus (the dashboard's scaling panel)
+    _wait(lambda: all(f'reason="{why}"' in httpx.get(app.metrics_url, timeout=10).text
+                      for why in ("queue_over_target", "stable_low")), 60,
+          "ray_specserve_scaling_decisions_total on the export port")
 
 
 def test_an_idle_small_tier_scales_to_zero_and_economy_wakes_it_without_waiting(app):

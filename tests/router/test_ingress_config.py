@@ -254,6 +254,7 @@ def test_grafana_dashboard_uses_only_exported_metrics():
     used = {re.sub(r"_(total|bucket)$", "", m)[len("ray_"):]
             for e in exprs for m in re.findall(r"ray_specserve_\w+", e)}
     source = "".join((REPO / f).read_text() for f in ("deployments/metrics.py", "router/ingress.py",
-                                                       "router/lifecycle.py"))
+                                                       "router/lifecycle.py",
+                                                       "router/autoscaling.py"))
     declared = set(re.findall(r'"(specserve_[a-z_]+)"', source))
     assert used and used <= declared, used - declared
