@@ -23,6 +23,7 @@ docs/decisions/0014-serving-path-hops.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -30,7 +31,10 @@ from pathlib import Path
 
 from models.rendezvous import free_port
 
+logger = logging.getLogger(__name__)
 DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
+# what ray.init raises when its processes did not come up within its fixed waits
+STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 _saved_env: dict[str, str | None] = {}       # what `start` changed, restored by `stop`
 
 
@@ -160,10 +164,21 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
     metrics_port = metrics_port or free_port()
     # address "local": always a new cluster. Without it, ray.init() attaches to the last
     # cluster `ray start` (or ray.cluster_utils) left running on the machine, if any.
-    context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
-                       include_dashboard=dashboard, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
-                       _metrics_export_port=metrics_port, log_to_driver=False,
-                       namespace="specserve")
+    options = dict(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
+                   include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                   dashboard_port=dashboard_port, _metrics_export_port=metrics_port,
+                   log_to_driver=False, namespace="specserve")
+    try:
+        context = ray.init(**options)
+    except Exception as exc:
+        # Ray gives its processes a fixed 30 s to come up; on a loaded machine (a test worker
+        # beside another starting a cluster) they may need longer. Once more, then give up.
+        if not any(text in str(exc) for text in STARTUP_TIMEOUTS):
+            raise
+        logger.warning("the local Ray cluster did not come up in time (%s); starting it again",
+                       exc)
+        ray.shutdown()
+        context = ray.init(**options)
     serve.start(http_options={"host": http_host, "port": http_port})
     url = getattr(context, "dashboard_url", None)
     dashboard_url = f"http://{url}" if dashboard and url else None

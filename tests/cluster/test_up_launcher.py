@@ -3,6 +3,8 @@ module with a cluster of its own would make `ray.is_initialized()` say nothing).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -49,3 +51,30 @@ def test_a_port_a_stopped_server_just_closed_is_free_to_serve_on():
     client.close()
     server.close()
     assert _port_free("127.0.0.1", port)
+
+
+@pytest.mark.parametrize("error,calls", [
+    ("The current node timed out during startup. This could happen because ...", 2),
+    ("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_1d65", 2),
+    ("some other failure", 1),
+])
+def test_a_ray_start_that_times_out_is_tried_once_more(monkeypatch, tmp_path, error, calls):
+    """Ray gives its processes a fixed 30 s to come up; a loaded machine (two test workers
+    starting clusters at once) missed it. `start` tries once more on that error, not on
+    others; here both tries fail, so the error still reaches the caller."""
+    import ray
+
+    from cluster.launch import ray_local
+
+    tried = []
+
+    def init(**options):
+        tried.append(options)
+        raise Exception(error)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(os, "environ", os.environ.copy())    # what start sets goes after
+    monkeypatch.setattr(ray_local, "_saved_env", {})
+    with pytest.raises(Exception, match=error[:20]):
+        ray_local.start(num_cpus=1, dashboard=False, token_path=tmp_path / "token")
+    assert len(tried) == calls and tried[0]["address"] == "local"
