@@ -20,9 +20,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # Serve's replicas and handles push their autoscaling metrics every 10 s by default; the
 # controller and the replicas read these at start, so they are set before the cluster starts.
 FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_metrics_report_interval_ms": "1000"}     # Prometheus export: 10 s default
 RULE = {"min_replicas": 1, "max_replicas": 2, "target_sequences": 2, "downscale_share": 1.0,
-        "upscale_delay_s": 0.0, "downscale_delay_s": 1.0, "look_back_s": 1.0,
+        "upscale_delay_s": 0.0, "downscale_delay_s": 2.0, "look_back_s": 1.0,
         "graceful_shutdown_s": 120.0}
 
 
@@ -41,12 +42,11 @@ def app(long_family, module_tmp):
                 os.environ[k] = v
 
 
-def _running(app) -> int:
+def _running(app, state: str = "RUNNING") -> int:
     from ray import serve
 
     dep = serve.status().applications["specserve"].deployments["SmallServer"]
-    return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state))
-               == "RUNNING")
+    return sum(n for s, n in dep.replica_states.items() if str(getattr(s, "value", s)) == state)
 
 
 def _wait(predicate, timeout_s: float, what: str) -> float:
@@ -82,16 +82,19 @@ def test_the_small_tier_scales_up_under_load_and_down_with_streams_in_flight(app
         while not stop.is_set():
             _stream(app, 600, done)
     # load: six users streaming one request after another, on a tier that aims at two
-    # sequences a replica, until the second replica serves
+    # sequences a replica, until the autoscaler starts a second replica (which then starts
+    # without the load on the two cores; the rule holds while it starts)
     load = [threading.Thread(target=user) for _ in range(6)]
     for t in load:
         t.start()
     try:
-        up_at = _wait(lambda: _running(app) == 2, 90, "a second small replica")
+        _wait(lambda: _running(app, "STARTING") + _running(app) == 2, 90,
+              "the autoscaler starting a second small replica")
     finally:
         stop.set()
         for t in load:
             t.join(180)
+    up_at = _wait(lambda: _running(app) == 2, 90, "a second small replica")
     # two long streams, one on each replica (least loaded first), then no more load: the tier
     # asks for one replica while both are in flight
     inflight: list = []
