@@ -70,6 +70,7 @@ class Ingress:
         self.observer = Observer(self.policy_config.default_acceptance, tuple(self.handles),
                                  self.cfg.scales_to_zero)
         self._waking: set[str] = set()
+        self._wake_tasks: set[asyncio.Task] = set()
         self.live = LiveStats(self.handles, self.observer, self.cfg.stats.period_s,
                               self.cfg.stats.stale_after_s)
         self.capture = CaptureBuffer(self.cfg.capture)      # off unless the config opts in
@@ -170,7 +171,9 @@ class Ingress:
                 logger.warning("waking the %s tier: %r", kind, exc)
             finally:
                 self._waking.discard(kind)
-        asyncio.get_running_loop().create_task(wake())
+        task = asyncio.get_running_loop().create_task(wake())
+        self._wake_tasks.add(task)              # the loop keeps only a weak reference
+        task.add_done_callback(self._wake_tasks.discard)
 
     async def _start(self, gen_req: GenerateRequest):
         """Send to the tier and wait for the first chunk, so errors become HTTP statuses. A
