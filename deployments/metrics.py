@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 
 from ray.serve import metrics
 
@@ -59,20 +60,17 @@ class RecentTimes:
     time to first token a replica reports to Serve's autoscaler, router/autoscaling.py)."""
 
     def __init__(self, window_s: float = 30.0, max_kept: int = 4096):
-        self.window_s, self.max_kept = window_s, max_kept
-        self._times: list[tuple[float, float]] = []      # (when, duration), oldest first
+        self.window_s = window_s
+        self._times: deque[tuple[float, float]] = deque(maxlen=max_kept)  # (when, duration)
 
     def add(self, now: float, value: float) -> None:
+        """On every stream's first token: O(1), the oldest dropped past `max_kept`."""
         self._times.append((now, value))
-        if len(self._times) > self.max_kept:
-            del self._times[:len(self._times) - self.max_kept]
 
     def percentile(self, now: float, q: float = 0.95) -> float | None:
         """The q-quantile (nearest rank) of what was observed within the window; None: none."""
-        cut = 0
-        while cut < len(self._times) and now - self._times[cut][0] > self.window_s:
-            cut += 1
-        del self._times[:cut]
+        while self._times and now - self._times[0][0] > self.window_s:
+            self._times.popleft()
         if not self._times:
             return None
         values = sorted(v for _, v in self._times)

@@ -66,17 +66,10 @@ async def _request(client, user: int, model: str, max_tokens: int) -> dict:
     return out
 
 
-def _replicas(app: str) -> dict[str, int]:
-    from ray import serve
-
-    deps = serve.status().applications[app].deployments
-    return {name: sum(n for state, n in deps[name].replica_states.items()
-                      if str(getattr(state, "value", state)) == "RUNNING")
-            for name in DEPLOYMENTS if name in deps}
-
-
 async def _ramp(url: str, key: str, model: str, args) -> tuple[list, list, float]:
     import httpx
+
+    from cluster.launch.status import replica_counts
 
     duration = args.minutes * 60
     start = time.time()
@@ -99,7 +92,8 @@ async def _ramp(url: str, key: str, model: str, args) -> tuple[list, list, float
     async def sample() -> None:
         while time.time() < stop_at:
             t = time.time() - start
-            replicas = await asyncio.to_thread(_replicas, args.app)
+            counts = await asyncio.to_thread(replica_counts, args.app)
+            replicas = {d: counts[d] for d in DEPLOYMENTS if d in counts}
             ended = [r for r in results if r["end"] >= start + t - args.sample_s]
             timeline.append({"t_s": round(t, 1), "users": users_at(t, duration, args.peak),
                              "replicas": replicas,

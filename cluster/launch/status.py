@@ -24,6 +24,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the app's HTTP address")
 
 
+def replica_counts(app: str, state: str = "RUNNING") -> dict[str, int]:
+    """Replicas of each of the app's deployments in a Serve replica state (RUNNING, STARTING,
+    ...), from Serve's status (this process is a driver of the cluster)."""
+    from ray import serve
+
+    deps = serve.status().applications[app].deployments
+    return {name: sum(n for s, n in dep.replica_states.items()
+                      if str(getattr(s, "value", s)) == state) for name, dep in deps.items()}
+
+
 def serve_replicas(app: str) -> list[dict]:
     """The app's replica actors: deployment, replica id, node address, pid, actor state. Read
     from Ray's control store (GCS), which answers without the dashboard that Ray's state API

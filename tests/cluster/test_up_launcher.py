@@ -59,9 +59,9 @@ def test_a_port_a_stopped_server_just_closed_is_free_to_serve_on():
     ("some other failure", 1),
 ])
 def test_a_ray_start_that_times_out_is_tried_once_more(monkeypatch, tmp_path, error, calls):
-    """Ray gives its processes a fixed 30 s to come up; a loaded machine (two test workers
-    starting clusters at once) missed it. `start` tries once more on that error, not on
-    others; here both tries fail, so the error still reaches the caller."""
+    """Ray gives its processes a fixed 30 s to come up, which a loaded machine (two test
+    workers starting clusters at once) can miss. `start` tries once more on that error, not
+    on others; here both tries fail, so the error still reaches the caller."""
     import ray
 
     from cluster.launch import ray_local

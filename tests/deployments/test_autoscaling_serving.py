@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from cluster.launch.status import serve_replicas
+from cluster.launch.status import replica_counts, serve_replicas
 from serving_helpers import MODEL, served_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -43,10 +43,7 @@ def app(long_family, module_tmp):
 
 
 def _running(app, state: str = "RUNNING") -> int:
-    from ray import serve
-
-    dep = serve.status().applications["specserve"].deployments["SmallServer"]
-    return sum(n for s, n in dep.replica_states.items() if str(getattr(s, "value", s)) == state)
+    return replica_counts("specserve", state)["SmallServer"]
 
 
 def _wait(predicate, timeout_s: float, what: str) -> float:

@@ -127,3 +127,18 @@ def test_while_replicas_start_the_count_holds_at_serves_target():
         assert (d.replicas, d.reason) == (4, "starting")
     cold = decide(0, [], RULE.model_copy(update={"min_replicas": 0}), ScaleState(), 5.0, target=1)
     assert (cold.replicas, cold.reason) == (1, "starting")
+
+
+def test_a_replicas_recent_ttft_is_the_nearest_rank_p95_of_its_window():
+    """What a replica reports as `ttft_p95_s` (deployments/metrics.py: RecentTimes): first
+    tokens older than the window drop out, and at most `max_kept` are kept."""
+    from deployments.metrics import RecentTimes
+
+    recent = RecentTimes(window_s=10.0, max_kept=50)
+    assert recent.percentile(0.0) is None
+    for i in range(60):                      # the first ten fall off the cap
+        recent.add(float(i) / 10, float(i))
+    assert recent.percentile(6.0) == 57.0    # rank ceil(0.95 * 50) = 48 of 10..59
+    assert recent.percentile(6.0, 0.5) == 34.0
+    assert recent.percentile(14.05) == 59.0  # only what came after 4.05 s: 41..59
+    assert recent.percentile(100.0) is None
