@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -73,13 +74,31 @@ class Database:
             conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout_s,
                                    isolation_level=None, check_same_thread=False)
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-            conn.execute("PRAGMA journal_mode = WAL")
+            self._wal(conn)
             # FULL: a commit is on disk when it returns (the ledger deletes its spool after).
             conn.execute(f"PRAGMA synchronous = {'FULL' if self.durable else 'NORMAL'}")
             return conn
         import psycopg
 
         return psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+
+    def _wal(self, conn) -> None:
+        """Put the file in WAL mode (it stays so). Switching needs the file to itself, and
+        SQLite answers "database is locked" at once rather than wait out the busy timeout while
+        another connection (a thread here, a process beside) switches or writes: switch only
+        when not yet in WAL, one thread at a time, and wait for the other connections."""
+        if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+            return
+        deadline = time.monotonic() + self.busy_timeout_s
+        with self._init_lock:
+            while True:
+                try:
+                    conn.execute("PRAGMA journal_mode = WAL")
+                    return
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
 
     def _conn(self):
         conn = getattr(self._local, "conn", None)

@@ -81,3 +81,24 @@ def test_windows():
     assert month_window(1_700_000_000.0) == ("M2023-11", 1_701_388_800.0)   # 2023-12-01 UTC
     assert month_window(1_703_980_800.0)[0] == "M2023-12"                     # 2023-12-31
     assert month_window(1_703_980_800.0)[1] == 1_704_067_200.0               # 2024-01-01
+
+
+def test_threads_opening_a_new_sqlite_file_at_once_all_connect(tmp_path):
+    """Each thread opens its own connection, which puts the file in WAL mode. SQLite answers
+    "database is locked" at once, without the busy timeout, to a second switch racing the
+    first, and a request whose thread meets it fails."""
+    errors = []
+    for trial in range(30):
+        db = Database(f"sqlite:///{tmp_path}/t{trial}.db", durable=False)
+
+        def connect():
+            try:
+                db._conn()
+            except Exception as exc:       # what a request's thread would have raised
+                errors.append(repr(exc))
+        threads = [threading.Thread(target=connect) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
