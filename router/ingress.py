@@ -21,6 +21,7 @@ ticket). Does not own the decision (`router/policy.py`), the stats gathering
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -53,6 +54,17 @@ logger = logging.getLogger("ray.serve")
 DOWN_CODES = ("replica_restarting", "replica_failed")     # the replica's engine is down
 DOWN_RETRY_DELAYS_S = (0.2, 0.5, 1.0)    # then again, while the stats catch up (one period)
 WAKE_TIMEOUT_S = 300.0    # how long a call that wakes a cold tier waits for its first replica
+LOST_CHECK_S = 0.5        # how often a call waiting for its first chunk checks its tier is alive
+
+
+class TierLost(HTTPError):
+    """The tier of a call that had not started lost its last live replica (router/ingress.py:
+    `Ingress._first`); answered as a 503 unless the call goes to another tier."""
+
+    def __init__(self, tier: str, retry_after: str):
+        super().__init__(503, f"the {tier} tier has no live replica (its node or process is "
+                         "gone) and the request may not go to another tier; retry",
+                         "tier_down", headers={"Retry-After": retry_after})
 FALLBACK_TIER = {"premium": "speculative", "standard": "baseline", "economy": "small",
                  "auto": "baseline"}
 
@@ -184,7 +196,9 @@ class Ingress:
         for delay in DOWN_RETRY_DELAYS_S + (None,):
             stream = self.handles[kind].options(stream=True).generate.remote(gen_req)
             try:
-                return await stream.__anext__(), stream
+                return await self._first(stream, kind, gen_req.tier), stream
+            except TierLost:
+                raise
             except BackPressureError as exc:
                 raise HTTPError(429, f"the {gen_req.tier} tier is busy: {exc}; retry later",
                                 "overloaded", headers={"Retry-After": self.retry_after}) from None
@@ -196,6 +210,43 @@ class Ingress:
                         or len(self.observer.replicas.get(kind, {})) < 2):
                     raise self._failure(exc, gen_req.tier, gen_req.request_id) from None
             await asyncio.sleep(delay)
+
+    async def _first(self, stream, kind: str, tier: str):
+        """The stream's first chunk. A call waits at the tier's handle while Serve has no
+        replica to give it, as when the replica's node died (until Serve places it again:
+        seconds to minutes). If the tier is lost while the call waits, the call is given up
+        before any byte went out (`TierLost`)."""
+        first = asyncio.ensure_future(stream.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=LOST_CHECK_S)
+                if done:
+                    return first.result()
+                if self.observer.lost(kind):
+                    raise TierLost(tier, self.retry_after)
+        finally:
+            if not first.done():
+                first.cancel()
+                stream.cancel()
+
+    async def _start_routed(self, life: RequestLife, gen_req: GenerateRequest, decide):
+        """`_start`; where the tier is lost before the first chunk, the request is decided
+        again (the policy routes around a tier that is down: `tier_down`) and sent once more,
+        or answered 503 where it may go nowhere else."""
+        try:
+            return await self._start(gen_req)
+        except TierLost as lost:
+            kind = "small" if gen_req.tier == "small" else "target"
+            life.tier, k_max, reason, _ = decide()
+            if ("small" if life.tier == "small" else "target") == kind:
+                raise lost from None
+        logger.warning("request %s: the %s tier was lost; sent to %s (%s)", gen_req.request_id,
+                       kind, life.tier, reason)
+        gen_req.tier, gen_req.k_max = life.tier, k_max
+        gen_req.mode = "speculative" if life.tier == "speculative" else "baseline"
+        life.charge.tier, life.charge.reason, life.charge.requested_mode = (
+            life.tier, reason, gen_req.mode)
+        return await self._start(gen_req)
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         api = "chat" if chat else "completions"
@@ -215,8 +266,9 @@ class Ingress:
                 text, prompt_len = "", len(body.prompt)
             else:
                 text, prompt_len = body.prompt, len(body.prompt) // 4
-            life.tier, k_max, reason, life.prompt_class = self._decide(
-                plan, body, text, prompt_len, sampling["max_tokens"])
+            decide = functools.partial(self._decide, plan, body, text, prompt_len,
+                                       sampling["max_tokens"])
+            life.tier, k_max, reason, life.prompt_class = decide()
             self.capture.offer(plan, chat_text(messages) if chat else text, life.prompt_class,
                                self.observer.acceptance_by_class(learnt_only=True))
             life.charge = await self.accounts.admit(request_id, key, plan, endpoint_plan(request),
@@ -229,9 +281,9 @@ class Ingress:
                 prompt=body.prompt if not chat and isinstance(body.prompt, str) else None,
                 prompt_token_ids=body.prompt if not chat and isinstance(body.prompt, list) else None,
                 echo=bool(getattr(body, "echo", False)), n=body.n)
-            first, life.stream = await self._start(gen_req)
+            first, life.stream = await self._start_routed(life, gen_req, decide)
             life.last = first
-            headers = {"x-specserve-tier": life.tier, "x-specserve-reason": reason,
+            headers = {"x-specserve-tier": life.tier, "x-specserve-reason": life.charge.reason,
                        **life.charge.headers}
             if body.stream:
                 running = bool(body.stream_options and body.stream_options.continuous_usage_stats)

@@ -106,6 +106,13 @@ class Observer:
         return min(self.replicas.get(kind, {}).values(),
                    key=lambda s: (not s.available, s.load, -s.kv_headroom_bytes), default=None)
 
+    def lost(self, kind: str) -> bool:
+        """The tier had replicas and none reports now (their node or process is gone, or the
+        reports are older than the stats' `stale_after_s`), and it does not scale to zero (a
+        replica of that is started on demand: a call waits for it)."""
+        return (self.seen.get(kind, False) and not self.replicas.get(kind)
+                and kind not in self.scales_to_zero)
+
     def acceptance_by_class(self, learnt_only: bool = False) -> dict[str, float]:
         """Per-token a by prompt class: learnt from finished requests, else the engine's live a."""
         live = self.next_replica("target")

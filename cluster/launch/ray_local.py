@@ -142,11 +142,16 @@ class LocalRay:
 def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.1",
           http_port: int = 8000, metrics_port: int | None = None, dashboard: bool = True,
           dashboard_port: int = 8265, token_path: str | Path | None = None,
-          direct_ingress_port: int | None = None) -> LocalRay:
+          direct_ingress_port: int | None = None, address: str | None = None,
+          proxy_location: str | None = None) -> LocalRay:
     """Start a local Ray cluster (this process is its driver) and Serve's HTTP proxy, Serve in
     its throughput-optimized mode (`serve_speed_env`; the user's exported value wins).
 
     `num_cpus` is always explicit: Ray's default (every core) oversubscribes small machines.
+    `address` joins a cluster already running (nodes started with token auth on, the same
+    token file, e.g. several nodes of `ray.cluster_utils.Cluster` on one machine) instead; its
+    nodes' resources are their own, `metrics_port` is the head's. `proxy_location` is Serve's
+    (default: a proxy on every node; "HeadOnly" where the nodes share one address and port).
     """
     if direct_ingress_port is not None:
         if direct_ingress_port == http_port:
@@ -168,6 +173,8 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
                    include_dashboard=dashboard, dashboard_host="127.0.0.1",
                    dashboard_port=dashboard_port, _metrics_export_port=metrics_port,
                    log_to_driver=False, namespace="specserve")
+    if address is not None:
+        options = dict(address=address, log_to_driver=False, namespace="specserve")
     try:
         context = ray.init(**options)
     except Exception as exc:
@@ -179,7 +186,8 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
                        exc)
         ray.shutdown()
         context = ray.init(**options)
-    serve.start(http_options={"host": http_host, "port": http_port})
+    serve.start(http_options={"host": http_host, "port": http_port},
+                **({"proxy_location": proxy_location} if proxy_location else {}))
     url = getattr(context, "dashboard_url", None)
     dashboard_url = f"http://{url}" if dashboard and url else None
     return LocalRay(http_host, http_port, metrics_port, dashboard_url, path, direct_ingress_port)

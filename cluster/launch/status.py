@@ -35,9 +35,9 @@ def replica_counts(app: str, state: str = "RUNNING") -> dict[str, int]:
 
 
 def serve_replicas(app: str) -> list[dict]:
-    """The app's replica actors: deployment, replica id, node address, pid, actor state. Read
-    from Ray's control store (GCS), which answers without the dashboard that Ray's state API
-    needs (`specserve up --no-dashboard`, the tests)."""
+    """The app's replica actors: deployment, replica id, node address and id, pid, actor
+    state. Read from Ray's control store (GCS), which answers without the dashboard that Ray's
+    state API needs (`specserve up --no-dashboard`, the tests)."""
     from ray._private import state
 
     out = []
@@ -50,6 +50,7 @@ def serve_replicas(app: str) -> list[dict]:
             continue
         out.append({"deployment": parts[1], "replica": parts[2],
                     "node": (info.get("Address") or {}).get("IPAddress", "?"),
+                    "node_id": (info.get("Address") or {}).get("NodeID", ""),
                     "pid": info.get("Pid"), "actor_state": info.get("State", "?")})
     return sorted(out, key=lambda r: (r["deployment"], r["replica"]))
 

@@ -95,8 +95,10 @@ def close_shared(unless_group: str | None = None) -> None:
 
 @contextlib.contextmanager
 def served_app(tmp_path, family: dict, num_cpus: int = 4, direct_ingress: bool = False,
-               **overrides):
-    """Start Ray (token auth on), deploy the app, wait until every tier reports stats."""
+               cluster=None, **overrides):
+    """Start Ray (token auth on), deploy the app, wait until every tier reports stats.
+    `cluster`: a `ray.cluster_utils.Cluster` already started (token auth on, its token file at
+    tmp_path/ray_token) to join instead, one Serve proxy on its head."""
     from ray import serve
 
     close_shared()                  # one Ray cluster per process
@@ -115,9 +117,12 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, direct_ingress: bool =
     overrides.setdefault("ledger", {"url": ledger_url, "drain_period_s": 0.2})
     auth = {"keys": inline, "admin_keys": [hash_key(admin_key)], "refresh_s": 0.5}
     overrides["auth"] = {**auth, **overrides.get("auth", {})}
+    joined = {} if cluster is None else dict(
+        address=cluster.address, proxy_location="HeadOnly",
+        metrics_port=cluster.head_node.metrics_export_port)
     local = ray_local.start(num_cpus=num_cpus, http_port=free_port(), dashboard=False,
                             token_path=tmp_path / "ray_token",
-                            direct_ingress_port=free_port() if direct_ingress else None)
+                            direct_ingress_port=free_port() if direct_ingress else None, **joined)
     try:
         config = app_config(family, inline, **overrides)
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")

@@ -273,3 +273,21 @@ def test_a_small_tier_that_scales_to_zero_is_cold_not_down_when_it_has_no_replic
         assert not obs.cluster_stats().small.cold
         obs.retain("small", [])
         assert obs.cluster_stats().small.cold == ("small" in scales)
+
+
+def test_a_tier_is_lost_when_every_replica_it_had_stops_reporting():
+    """What the ingress checks while a call waits for its first chunk (router/ingress.py:
+    `Ingress._first`): lost once the tier had replicas and none reports, not while it starts,
+    not with a replica (even one whose engine restarts: it answers at once), and never for a
+    tier that scales to zero (a call waits for the replica it starts)."""
+    for scales in (frozenset(), frozenset({"small"})):
+        obs = Observer(scales_to_zero=scales)
+        assert not obs.lost("small")                        # starting: none has reported
+        obs.report("s", engine_stats(cost=None, draft_kv_bytes_per_token=0.0), "small")
+        assert not obs.lost("small")
+        obs.report("s", engine_stats(available=False, cost=None, draft_kv_bytes_per_token=0.0),
+                   "small")
+        assert not obs.lost("small")
+        obs.retain("small", [])
+        assert obs.lost("small") == (not scales)
+        assert not obs.lost("target")
