@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from deployments.alignment_loop import AlignmentLoopDeployment
 from deployments.engine_server import ENGINE_CLASS
 from deployments.small import SmallDeployment
 from deployments.target import TargetDeployment
@@ -95,7 +96,11 @@ def build_app(args: AppConfig | dict, engine_class: str = ENGINE_CLASS,
                                                retry_after_s=cfg.limits.retry_after_s),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus,
                            "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}})
-    return ingress.bind(cfg, target, small)
+    loop = None
+    if cfg.alignment.enabled:
+        loop = AlignmentLoopDeployment.options(
+            ray_actor_options={"num_cpus": cfg.alignment.num_cpus}).bind(cfg, cfg.name, target)
+    return ingress.bind(cfg, target, small, loop)
 
 
 __all__ = ["build_app", "serve"]

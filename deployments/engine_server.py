@@ -197,6 +197,10 @@ class EngineServer:
         for that rank."""
         await asyncio.to_thread(self.engine.inject_fault, kind, count, after)
 
+    async def draft(self) -> dict:
+        """The draft this replica serves (its folder; None: it runs none)."""
+        return {"draft": self.engine.draft_path, "pid": os.getpid()}
+
     async def swap_draft(self, path: str | None = None, rollback: bool = False) -> dict:
         """Swap the colocated draft in place, between two engine steps (requests keep running;
         docs/decisions/0020-aligned-drafts.md says why not a Serve rolling update). The drafts it
@@ -315,6 +319,7 @@ class EngineServer:
         prompt_too_long, overloaded, request_failed, engine_dead = self._errors
         start = last = time.monotonic()
         first, held, echo = True, None, req.echo
+        draft = getattr(self.engine, "draft_path", None)   # what ran it, unless swapped meanwhile
         try:
             async for out in self.engine.generate(request_id, prompt_ids, params, options):
                 now = time.monotonic()
@@ -335,7 +340,10 @@ class EngineServer:
                 lp, own_prompt_lp, prompt_text = self._logprobs(req, prompt_ids, out, echo)
                 own_prompt_lp = own_prompt_lp or (prompt_lp if echo else None)
                 echo, first = False, first and not out.token_ids
-                yield self._chunk(out, lp, own_prompt_lp, prompt_text)
+                chunk = self._chunk(out, lp, own_prompt_lp, prompt_text)
+                if out.finished and getattr(self.engine, "draft_path", None) == draft:
+                    chunk.draft = draft
+                yield chunk
         except prompt_too_long as exc:
             raise TierError(400, str(exc), code="context_length_exceeded",
                             param="messages" if req.messages is not None else "prompt") from None

@@ -36,9 +36,8 @@ ACTIONS = ("wait", "distil", "promote", "rollback", "keep")
 
 @dataclass(frozen=True)
 class AlignmentConfig:
-    """The `alignment:` section of the app config (off unless enabled)."""
+    """The loop's rules: `alignment.rules` in the app config (router/alignment_config.py)."""
 
-    enabled: bool = False
     threshold: float = 0.55        # a class's live acceptance below this asks for a round
     min_requests: int = 200        # speculative requests of a class before its figure counts
     stay_below_s: float = 600.0    # how long it must stay below (a dip is not a drift)

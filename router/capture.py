@@ -80,6 +80,23 @@ class CaptureBuffer:
             oldest.unlink()
 
 
+def captured_counts(folder: str | Path) -> dict[str, int]:
+    """Prompts in a capture buffer, per class."""
+    counts: dict[str, int] = {}
+    for path in sorted(Path(folder).expanduser().glob("capture-*.jsonl")):
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:             # evicted meanwhile
+            continue
+        for line in lines:
+            try:
+                name = json.loads(line)["class"]
+            except (ValueError, KeyError, TypeError):
+                continue            # a line cut by a full disk
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def chat_text(messages: list[dict]) -> str:
     """The prompt a chat request is served with when the checkpoint has no chat template
     (the same text as deployments.engine_server.simple_chat_prompt)."""

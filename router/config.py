@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.autoscaling import Autoscaling
+from router.alignment_config import AlignmentSection
 from router.capture import CaptureConfig
 from engine.config import EngineConfig
 from router.policy import PLANS, TIERS, PolicyConfig
@@ -230,6 +231,8 @@ class AppConfig(_Strict):
         "database (with several nodes, PostgreSQL)")
     capture: CaptureConfig = Field(default_factory=CaptureConfig,
                                    description="opt-in prompt capture for draft distillation")
+    alignment: AlignmentSection = Field(default_factory=AlignmentSection, description="the "
+                                        "closed alignment loop (deployments/alignment_loop.py)")
 
     @model_validator(mode="before")
     @classmethod

@@ -70,13 +70,14 @@ FALLBACK_TIER = {"premium": "speculative", "standard": "baseline", "economy": "s
 
 
 class Ingress:
-    def __init__(self, config: AppConfig, target_handle, small_handle=None):
+    def __init__(self, config: AppConfig, target_handle, small_handle=None, alignment=None):
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config)
         self.accounts = Accounting(self.cfg)     # live keys, rate limits, prices, ledger
         self.keys = self.accounts.keys
         self.handles = {"target": target_handle}
         if small_handle is not None:
             self.handles["small"] = small_handle
+        self.alignment = alignment              # the alignment loop's handle, where it runs
         self.policy_config = self.cfg.policy
         self.policy_state = policy.PolicyState()
         self.observer = Observer(self.policy_config.default_acceptance, tuple(self.handles),
@@ -93,6 +94,11 @@ class Ingress:
             self.live.start()
         except RuntimeError:    # no running loop here: the first health check or request starts it
             pass
+
+    def draft_figures(self, since: float = 0.0, last: int | None = None) -> dict:
+        """Live acceptance and goodput per draft and prompt class, from this ingress replica's
+        requests (router/draft_live.py)."""
+        return {"drafts": self.observer.drafts.as_dict(since, last), "time": time.time()}
 
     def draft_swapped(self) -> dict:
         """A new draft serves now: per-class acceptance learnt on the old one no longer holds."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 
 from ray.serve import metrics
@@ -134,9 +135,10 @@ class RequestLife:
         observer. Returns the usage the response carries."""
         self.last = last
         self.usage = await asyncio.to_thread(self._record, "ok", 200)
+        now = time.time()
         self.observer.finished(self.tier, self.prompt_class, RequestOutcome(
             last.num_prompt_tokens, last.num_output_tokens, last.num_accepted_tokens,
-            last.num_draft_trials))
+            last.num_draft_trials, last.draft, now - self.charge.started_at, now))
         return self.usage
 
     def _record(self, status: str, http_status: int, error: str | None = None) -> BilledUsage:

@@ -24,6 +24,7 @@ from statistics import median
 
 from engine.acceptance import CLASS_DECAY, CLASS_PRIOR_TRIALS, MIN_SAMPLE_TRIALS, AcceptanceEstimate
 from engine.outputs import EngineStats
+from router.draft_live import DraftSample, DraftWindows
 from router.stats import PROMPT_CLASSES, ClusterStats, TierStats
 
 RECENT_REQUESTS = 256        # finished requests behind the acceptance samples and mean lengths
@@ -45,6 +46,9 @@ class RequestOutcome:
     output_tokens: int
     accepted_tokens: int = 0     # draft tokens accepted over the whole request
     draft_trials: int = 0        # draft tokens tried (accepted + rejections); 0: never drafted
+    draft: str | None = None     # the draft it ran with (None: none, or swapped while it ran)
+    seconds: float = 0.0         # from admission to its last token
+    time: float = 0.0            # when it finished
 
 
 class Observer:
@@ -59,6 +63,7 @@ class Observer:
         self.output_lengths: deque[int] = deque(maxlen=RECENT_REQUESTS)
         self.prices: dict[tuple[str, str], deque] = {}     # (kind, replica) -> (time, spec_scale)
         self.seen: dict[str, bool] = {}     # kind -> a replica of it has reported (it has started)
+        self.drafts = DraftWindows()        # per draft and class, for the alignment loop
 
     # -- in -----------------------------------------------------------------------------------
     def report(self, replica_id: str, stats: EngineStats, kind: str = "target") -> None:
@@ -90,6 +95,10 @@ class Observer:
             estimate = AcceptanceEstimate(self._prior(), CLASS_PRIOR_TRIALS, CLASS_DECAY)
             self.by_class[prompt_class] = estimate
         estimate.observe(outcome.accepted_tokens, outcome.draft_trials)
+        if outcome.draft:
+            self.drafts.add(outcome.draft, prompt_class, DraftSample(
+                outcome.time, outcome.accepted_tokens, outcome.draft_trials,
+                outcome.output_tokens, outcome.seconds))
         if outcome.draft_trials >= MIN_SAMPLE_TRIALS:
             self.samples.append(outcome.accepted_tokens / outcome.draft_trials)
 

@@ -49,6 +49,9 @@ class GenerateChunk:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     prompt_text: str | None = None
+    # On the last chunk: the draft the request ran with (its folder), None when it ran none or
+    # the draft was swapped while it ran (router/draft_live.py attributes acceptance by it).
+    draft: str | None = None
     index: int = 0                            # the choice (sibling) this chunk belongs to
     remaining: int = 0                        # siblings still running after this chunk
 
@@ -69,7 +72,8 @@ def combined(lasts: list[GenerateChunk]) -> GenerateChunk:
                           mode="speculative" if any(c.mode == "speculative" for c in lasts)
                           else first.mode,
                           reason=next((c.reason for c in lasts if c.reason), None),
-                          fingerprint=first.fingerprint)
+                          fingerprint=first.fingerprint,
+                          draft=first.draft if all(c.draft == first.draft for c in lasts) else None)
     for name in ("num_output_tokens", "num_speculative_tokens", "num_draft_tokens",
                  "num_accepted_tokens", "num_draft_trials"):
         setattr(total, name, sum(getattr(c, name) for c in lasts))

@@ -40,6 +40,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("draft distill", "cluster.cli.draft_distill", "distil the draft (or small model) on the target's outputs with DeepSpeed"),
     ("draft swap", "cluster.cli.draft_swap", "swap a distilled draft into the running target replicas"),
     ("draft rollback", "cluster.cli.draft_swap", "return the target replicas to their previous draft"),
+    ("draft history", "cluster.cli.draft_loop", "the alignment loop's record: triggers, rounds, canaries, promotions, rollbacks"),
+    ("draft canary", "cluster.cli.draft_loop", "canary a draft on live traffic; the alignment loop promotes or rolls it back"),
     ("draft prompts", "cluster.cli.draft_prompts", "write the built-in code/prose/chat prompt set"),
     ("draft bench", "cluster.bench.drafts", "single-stream speculative speed-up per prompt class, drafts side by side"),
 ]

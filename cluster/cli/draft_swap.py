@@ -10,11 +10,10 @@ replica to the draft it ran before.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-MAX_DROP = 0.02
+from models.distill_report import guard
 
 
 def add_arguments(p) -> None:
@@ -23,26 +22,6 @@ def add_arguments(p) -> None:
         p.add_argument("--force", action="store_true", help="swap even if a class got worse")
     p.add_argument("--address", default="auto", help="Ray address (default: %(default)s)")
     p.add_argument("--app", default="specserve", help="Serve application name")
-
-
-def guard(folder: Path, max_drop: float = MAX_DROP) -> list[str]:
-    """Why this draft must not be swapped in (empty: it may)."""
-    report_file = folder / "distill.json"
-    if not report_file.exists():
-        return [f"{folder} has no distill.json: not a distilled draft with held-out figures"]
-    report = json.loads(report_file.read_text())
-    problems = []
-    for part, what in (("heldout", "held-out"), ("guard", "guard-set")):
-        if part == "guard" and not report.get("guard"):
-            continue                                # no guard prompts given at distillation
-        before, after = report.get(part, {}).get("before", {}), report.get(part, {}).get("after", {})
-        problems += [f"class {c!r}: {what} acceptance {after[c]['acceptance']:.3f} < "
-                     f"{before[c]['acceptance']:.3f} - {max_drop}"
-                     for c in before if c in after
-                     and after[c]["acceptance"] < before[c]["acceptance"] - max_drop]
-        missing = sorted(set(before) - set(after))
-        problems += [f"{what} classes {missing} were not measured after"] if missing else []
-    return problems
 
 
 def apply(app: str, path: str | None, rollback: bool) -> list[dict]:

@@ -6,7 +6,7 @@ import pytest
 from router.alignment import AlignmentConfig, ClassLive, Decision, judge_canary, trigger, \
     watch_promoted
 
-CFG = AlignmentConfig(enabled=True, threshold=0.55, min_requests=100, stay_below_s=300,
+CFG = AlignmentConfig(threshold=0.55, min_requests=100, stay_below_s=300,
                       min_prompts=400, canary_requests=200, margin=0.02, loss_tolerance=0.01,
                       rollback_drop=0.05)
 
