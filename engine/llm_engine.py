@@ -443,7 +443,8 @@ class LLMEngine:
             token_acceptance=self.global_acceptance if measured is not None else None,
             speculating_acceptance=tuple(self._acceptance(q) for q in s.running if q.speculative),
             time=time.time(), drafting_pays=self.goodput.verdict(self.global_acceptance),
-            prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits)
+            prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
+            draft=str(self.draft_model.path) if self.draft_model is not None else None)
 
     def snapshot(self) -> MetricsSnapshot:
         s = self.scheduler

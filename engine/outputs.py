@@ -69,6 +69,7 @@ class EngineStats:
     #   measured (engine/goodput.py): True pays, False loses to plain decoding, None not judged
     prefix_cache_queries: int = 0          # prompt tokens looked up in the prefix cache, since
     prefix_cache_hits: int = 0             # start, and of them found cached (prefill skipped)
+    draft: str | None = None               # the draft it serves (its folder; None: none)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

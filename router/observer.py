@@ -198,7 +198,8 @@ def _tier_health(replicas: dict, profile: bool = False) -> dict:
             "per_replica": {rid: {"running": r.num_running, "waiting": r.num_waiting,
                                   "kv_headroom": round(r.kv_headroom_bytes / r.kv_budget_bytes, 4)
                                   if r.kv_budget_bytes > 0 else 1.0,
-                                  "available": r.available} for rid, r in replicas.items()},
+                                  "available": r.available, "draft": r.draft}
+                            for rid, r in replicas.items()},
             "kv_budget_bytes": sum(r.kv_budget_bytes for r in reps),
             "kv_used_target_bytes": sum(r.kv_used_target_bytes for r in reps),
             "kv_used_draft_bytes": sum(r.kv_used_draft_bytes for r in reps),

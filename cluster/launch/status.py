@@ -14,6 +14,8 @@ actor is not alive (e.g. `DEAD` until Serve replaces it).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 REPLICA_PREFIX = "SERVE_REPLICA::"                     # Serve names replica actors so
 TIER_OF = {"TargetServer": "target", "SmallServer": "small"}
 
@@ -72,19 +74,21 @@ def replica_rows(replicas: list[dict], health: dict | None) -> list[dict]:
         else:
             state = "serving" if load["available"] else "restarting"
         rows.append({**r, "state": state,
-                     **{k: (load or {}).get(k) for k in ("running", "waiting", "kv_headroom")}})
+                     **{k: (load or {}).get(k) for k in ("running", "waiting", "kv_headroom",
+                                                         "draft")}})
     return rows
 
 
 def format_rows(rows: list[dict]) -> list[str]:
     lines = [f"  {'deployment':14s} {'replica':10s} {'node':15s} {'pid':>7s} {'state':11s} "
-             f"{'running':>7s} {'waiting':>7s} {'KV free':>7s}"]
+             f"{'running':>7s} {'waiting':>7s} {'KV free':>7s} draft"]
     for r in rows:
         kv = "-" if r["kv_headroom"] is None else f"{r['kv_headroom']:.0%}"
         lines.append(f"  {r['deployment']:14s} {r['replica'][:10]:10s} {r['node']:15s} "
                      f"{r['pid'] or '-'!s:>7s} {r['state']:11s} "
                      f"{'-' if r['running'] is None else r['running']!s:>7s} "
-                     f"{'-' if r['waiting'] is None else r['waiting']!s:>7s} {kv:>7s}")
+                     f"{'-' if r['waiting'] is None else r['waiting']!s:>7s} {kv:>7s} "
+                     f"{Path(r['draft']).name if r.get('draft') else '-'}")
     return lines
 
 

@@ -13,7 +13,8 @@ REPLICAS = [
 ]
 HEALTH = {"tiers": {
     "target": {"per_replica": {
-        "t1": {"running": 3, "waiting": 1, "kv_headroom": 0.25, "available": True},
+        "t1": {"running": 3, "waiting": 1, "kv_headroom": 0.25, "available": True,
+               "draft": "/drafts/round-002"},
         "t2": {"running": 0, "waiting": 0, "kv_headroom": 1.0, "available": False}}},
     "small": {"per_replica": {"s1": {"running": 1, "waiting": 0, "kv_headroom": 0.9,
                                      "available": True}}}}}
@@ -35,3 +36,4 @@ def test_without_the_admin_view_replicas_are_only_alive_and_the_table_prints():
     lines = format_rows(replica_rows(REPLICAS, HEALTH))
     assert len(lines) == 1 + len(REPLICAS)
     assert "restarting" in lines[4] and "25%" in lines[3] and "10.0.0.3" in lines[3]
+    assert lines[3].endswith(" round-002") and lines[4].endswith(" -")   # the draft served
