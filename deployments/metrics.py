@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from pathlib import Path
 
 from ray.serve import metrics
 
@@ -114,6 +115,10 @@ class ReplicaMetrics:
         self._kv_used = metrics.Gauge("specserve_kv_cache_used_bytes",
                                       description="KV bytes held, by model (target, draft).",
                                       tag_keys=("tier_kind", "model"))
+        self._draft_info = metrics.Gauge("specserve_draft_info", description="1 for the draft "
+                                         "this replica serves (its folder's name), 0 for one it "
+                                         "served before", tag_keys=("tier_kind", "draft"))
+        self._draft: str | None = None
         self._kv_budget = metrics.Gauge("specserve_kv_cache_budget_bytes",
                                         description="The replica's KV budget in bytes.", tag_keys=tags)
         self.ttft = metrics.Histogram("specserve_time_to_first_token_seconds",
@@ -155,6 +160,12 @@ class ReplicaMetrics:
         self._kv_used.set(stats.kv_used_target_bytes, tags={**tags, "model": "target"})
         self._kv_used.set(stats.kv_used_draft_bytes, tags={**tags, "model": "draft"})
         self._kv_budget.set(stats.kv_budget_bytes or 0, tags=tags)
+        draft = getattr(stats, "draft", None)
+        if draft != self._draft and self._draft:
+            self._draft_info.set(0, tags={**tags, "draft": Path(self._draft).name})
+        self._draft = draft
+        if draft:
+            self._draft_info.set(1, tags={**tags, "draft": Path(draft).name})
 
 
 class _NullHistogram:
