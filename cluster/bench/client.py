@@ -126,20 +126,31 @@ class Workload:
     max_tokens uniform in [mean * (1 - spread), mean * (1 + spread)]."""
 
     def __init__(self, prompts: dict[str, list[str]], mix: dict[str, float], output_tokens: int,
-                 spread: float, seed: int):
-        self.prompts = {c: p for c, p in prompts.items() if mix.get(c, 0) > 0 and p}
-        if not self.prompts:
-            raise ValueError("the prompt mix selects no prompts")
-        self.classes = sorted(self.prompts)
-        self.weights = [mix[c] for c in self.classes]
+                 spread: float, seed: int, shift: tuple[float, dict[str, float]] | None = None):
+        self.prompts = prompts
+        self.classes, self.weights = self._pick(mix)
+        # (seconds after the first draw, the mix from then on): traffic that drifts
+        self.shift = None if shift is None else (shift[0], *self._pick(shift[1]))
+        self.first: float | None = None
         self.low = max(1, round(output_tokens * (1 - spread)))
         self.high = max(self.low, round(output_tokens * (1 + spread)))
         self.rng = random.Random(seed)
 
+    def _pick(self, mix: dict[str, float]) -> tuple[list[str], list[float]]:
+        classes = sorted(c for c, p in self.prompts.items() if mix.get(c, 0) > 0 and p)
+        if not classes:
+            raise ValueError("the prompt mix selects no prompts")
+        return classes, [mix[c] for c in classes]
+
     def draw(self) -> Prompt:
         from cluster.bench.synthetic import OUTPUT_SCALE
 
-        cls = self.rng.choices(self.classes, self.weights)[0]
+        now = time.monotonic()
+        self.first = now if self.first is None else self.first
+        classes, weights = self.classes, self.weights
+        if self.shift is not None and now - self.first >= self.shift[0]:
+            classes, weights = self.shift[1], self.shift[2]
+        cls = self.rng.choices(classes, weights)[0]
         tokens = self.rng.randint(self.low, self.high)
         return Prompt(cls, self.rng.choice(self.prompts[cls]),
                       max(1, round(tokens * OUTPUT_SCALE.get(cls, 1.0))))

@@ -92,3 +92,44 @@ def table(report: dict) -> str:
 
 def _fmt(v, scale=1.0, digits=3) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def plot_timeline(report: dict, path: Path) -> Path:
+    """Each run with a timeline: per prompt class, the acceptance of its speculative requests
+    and its output tokens a second, bucket by bucket; the alignment loop's records (trigger,
+    round, canary, promote, rollback) as vertical lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in report["runs"] if r.get("timeline")]
+    fig, axes = plt.subplots(len(runs), 2, figsize=(15, 4.2 * len(runs)), squeeze=False)
+    events = report.get("alignment_history", [])
+    for row, run in zip(axes, runs):
+        buckets = run["timeline"]
+        width = (buckets[1]["t0_s"] - buckets[0]["t0_s"]) if len(buckets) > 1 else 1.0
+        for cls in sorted({c for b in buckets for c in b["classes"]}):
+            x = [b["t0_s"] + width / 2 for b in buckets if cls in b["classes"]]
+            acc = [b["classes"][cls]["acceptance_rate"] for b in buckets if cls in b["classes"]]
+            tok = [b["classes"][cls].get("tokens", 0) / width for b in buckets if cls in b["classes"]]
+            row[0].plot(x, [float("nan") if a is None else a for a in acc], marker=".", label=cls)
+            row[1].plot(x, tok, marker=".", label=cls)
+        for rec in events:
+            t = rec["time"] - run["start_unix"]
+            if buckets[0]["t0_s"] <= t <= buckets[-1]["t0_s"] + width:
+                for ax in row:
+                    ax.axvline(t, color="grey", lw=0.8, ls="--")
+                row[0].annotate(f"{rec['event']} {rec.get('reason', '')}".strip(), (t, 0.02),
+                                rotation=90, fontsize=7, va="bottom")
+        row[0].set_ylim(0, 1)
+        for ax, title in zip(row, ("acceptance of speculative requests", "output tokens/s")):
+            ax.set_xlabel(f"seconds into the run ({run['policy']} at {run['load_kind']}="
+                          f"{run['load']:g})")
+            ax.set_title(f"{title}, by prompt class")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

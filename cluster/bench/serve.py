@@ -42,6 +42,10 @@ def add_arguments(parser) -> None:
     a("--repeats", type=int, default=2, help="runs per (policy, load), order rotated")
     a("--mix", default="code=1,prose=1,chat=1", help="prompt classes and weights; besides the "
       "repo's classes, random (random-word text) and long (long prompts, short answers)")
+    a("--shift", default="", help="S:MIX: after S seconds of a run (from its first request) "
+      "the prompts come from MIX instead (traffic that drifts, e.g. 600:code=1,random=3)")
+    a("--alignment-dir", default="", help="the alignment loop's folder: its records during the "
+      "runs go into the report and the timeline plot")
     a("--prompts", default=str(PROMPTS_DIR), help="folder of CLASS.jsonl prompt files")
     a("--output-tokens", type=int, default=64, help="mean max_tokens of a request")
     a("--output-spread", type=float, default=0.5, help="max_tokens uniform in mean*(1 +- spread)")
@@ -55,6 +59,10 @@ def add_arguments(parser) -> None:
       help="also report each run in buckets of this many seconds, per class (0: off)")
     a("--out", default="bench-results/serve", help="output path prefix (.json, .png)")
     a("--no-plot", action="store_true")
+
+
+def _mix(text: str) -> dict[str, float]:
+    return {k: float(v) for k, v in (p.split("=") for p in _list(text, str))}
 
 
 def _list(text: str, cast) -> list:
@@ -130,8 +138,12 @@ async def bench(url: str, key: str, args, progress=True) -> dict:
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; known: {list(POLICIES)}")
-    mix = {k: float(v) for k, v in (p.split("=") for p in _list(args.mix, str))}
-    prompts = load_prompts(args.prompts, list(mix))
+    mix = _mix(args.mix)
+    shift = None
+    if args.shift:
+        after, _, later = args.shift.partition(":")
+        shift = (float(after), _mix(later))
+    prompts = load_prompts(args.prompts, list(mix) + (list(shift[1]) if shift else []))
     loads = [("users", u) for u in _list(args.users, int)] + [("rate", r) for r in _list(args.rates, float)]
     slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
@@ -150,13 +162,14 @@ async def bench(url: str, key: str, args, progress=True) -> dict:
                     bar.set_description(f"{load[0]}={load[1]:g} {policy} #{rep + 1}")
                     # the same prompts and lengths for every policy within a repeat
                     workload = Workload(prompts, mix, args.output_tokens, args.output_spread,
-                                        seed=args.seed * 1000 + rep)
+                                        seed=args.seed * 1000 + rep, shift=shift)
                     rng = random.Random(args.seed * 1000 + rep + 1)
                     recs, start, end, peaks = await run_one(client, policy, load, workload,
                                                             model, args, rng)
                     summary = summarize([(recs, start, end)], slo)
                     summary.update(policy=policy, load_kind=load[0], load=load[1], repeat=rep,
-                                   health_peaks=peaks)
+                                   health_peaks=peaks,
+                                   start_unix=time.time() - (time.monotonic() - start))
                     if args.timeline_s > 0:
                         summary["timeline"] = timeline(recs, start, end, args.timeline_s)
                     runs.append(summary)
@@ -234,6 +247,12 @@ def run(args) -> int:
     report["args"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("key", "admin_key")}
     report["machine"] = {"host": platform.node(), "cpus": os.cpu_count(),
                          "loadavg_at_end": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.alignment_dir:
+        from deployments.alignment_loop import read_history
+
+        first = min((r["start_unix"] for r in report["runs"]), default=0.0)
+        report["alignment_history"] = [r for r in read_history(args.alignment_dir)
+                                       if r["time"] >= first - args.warmup_s]
     json_path = out.with_suffix(".json")
     json_path.write_text(json.dumps(report, indent=1))
     from cluster.bench.plot import plot, table
@@ -242,5 +261,9 @@ def run(args) -> int:
     print(f"\nJSON: {json_path}")
     if not args.no_plot:
         print(f"PNG:  {plot(report, out.with_suffix('.png'))}")
+        if any(r.get("timeline") for r in report["runs"]):
+            from cluster.bench.plot import plot_timeline
+
+            print(f"PNG:  {plot_timeline(report, out.with_name(out.name + '-timeline.png'))}")
     errors = {s for r in report["results"] for s in r["errors_by_status"] if s != "429"}
     return 1 if errors else 0

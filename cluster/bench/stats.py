@@ -164,7 +164,7 @@ def timeline(records: list[RequestRecord], start: float, end: float, bucket_s: f
             n = sum(r.completion_tokens for r in spec)
             tpots = [r.tpot for r in ok if r.tpot is not None]
             row["classes"][cls] = {
-                "requests": len(ok),
+                "requests": len(ok), "tokens": sum(r.completion_tokens or 0 for r in ok),
                 "acceptance_rate": sum(r.acceptance_rate * r.completion_tokens for r in spec) / n if n else None,
                 "tpot_p50_s": statistics.median(tpots) if tpots else None}
         out.append(row)

@@ -189,3 +189,21 @@ def test_bench_serve_draws_traffic_the_repo_did_not_write():
     assert lengths == {"random": {64}, "long": {8}}
     with pytest.raises(ValueError, match="no prompts for class 'nope'"):
         load_prompts(PROMPTS_DIR, ["nope"])
+
+
+def test_bench_serve_traffic_shifts_after_its_delay():
+    """`--shift S:MIX`: the first S seconds from the first draw come from the mix, then from
+    MIX (a drift the alignment loop should follow)."""
+    import time
+
+    from cluster.bench.client import Workload
+    from cluster.bench.serve import PROMPTS_DIR, load_prompts
+
+    prompts = load_prompts(PROMPTS_DIR, ["code", "prose"])
+    w = Workload(prompts, {"code": 1}, 16, 0.0, seed=1, shift=(0.3, {"prose": 1}))
+    before = {w.draw().prompt_class for _ in range(20)}
+    time.sleep(0.35)
+    after = {w.draw().prompt_class for _ in range(20)}
+    assert (before, after) == ({"code"}, {"prose"})
+    with pytest.raises(ValueError, match="selects no prompts"):
+        Workload(prompts, {"code": 1}, 16, 0.0, seed=1, shift=(1.0, {"nope": 1}))
