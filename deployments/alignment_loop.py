@@ -187,6 +187,7 @@ class Loop:
                    if report_file.exists() else None)
         self.record("round", draft=self.candidate, returncode=rc, heldout_delta=heldout,
                     seconds=round(now - self.started, 1))
+        self.first_below = {}       # a class must stay below for stay_below_s again first
         if rc != 0:
             self.record("rollback", reason="round_failed", draft=self.candidate)
             self.candidate, self.state = None, "idle"
