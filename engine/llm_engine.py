@@ -425,8 +425,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """This engine's load and what the router's policy needs (see `EngineStats`)."""
         s, pool = self.scheduler, self.pool
-        measured = self.metrics.data.acceptance_rate
-        per_token = pool.element_size
+        measured, per_token = self.metrics.data.acceptance_rate, pool.element_size
         peak_target, peak_draft = self.kv_peaks.peaks(pool.used_by, pool.block_bytes)
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
