@@ -211,6 +211,8 @@ class Loop:
         if self.state != "idle":
             raise TierError(409, f"the alignment loop is {self.state}; try when it is idle")
         folder = Path(path).expanduser().resolve()
+        if not (folder / "config.json").is_file():     # force skips the guard, not this
+            raise TierError(400, f"{folder} is not a checkpoint folder (no config.json)")
         problems = [] if force else guard(folder)
         if problems:
             raise TierError(400, "refused by the swap guard (force to override): "

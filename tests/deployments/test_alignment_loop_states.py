@@ -33,3 +33,17 @@ def test_a_round_that_ends_makes_a_class_stay_below_again_before_the_next(tmp_pa
         assert loop.state == "idle" and loop.candidate is None and loop.first_below == {}
         reasons = [r.get("reason") for r in read_history(loop.dir)]
         assert reasons == [None, "guard_refused" if make_report else "round_failed"]
+
+
+def test_an_operator_canary_of_a_folder_that_is_no_checkpoint_is_refused(tmp_path):
+    """`specserve draft canary DIR --force` skips the guard, not the check that DIR is a
+    checkpoint: a missing folder would otherwise fail every window's swap until the timeout."""
+    import pytest
+
+    from router.wire import TierError
+
+    loop = _loop(tmp_path)
+    loop.serving = str(tmp_path / "draft")
+    with pytest.raises(TierError, match="no config.json") as err:
+        asyncio.run(loop.canary(str(tmp_path / "missing"), force=True))
+    assert err.value.status == 400 and loop.state == "idle" and read_history(loop.dir) == []
