@@ -57,6 +57,12 @@ WAKE_TIMEOUT_S = 300.0    # how long a call that wakes a cold tier waits for its
 LOST_CHECK_S = 0.5        # how often a call waiting for its first chunk checks its tier is alive
 
 
+def deployment_kind(tier: str) -> str:
+    """The deployment that serves a tier: the small model's, or the target's (speculative and
+    baseline)."""
+    return "small" if tier == "small" else "target"
+
+
 class TierLost(HTTPError):
     """The tier of a call that had not started lost its last live replica (router/ingress.py:
     `Ingress._first`); answered as a 503 unless the call goes to another tier."""
@@ -198,7 +204,7 @@ class Ingress:
         replica whose engine is down answers at once, before the routers' stats say so (up to
         a stats period): the request, which has not run, goes again, to another replica of
         the tier where it has one."""
-        kind = "small" if gen_req.tier == "small" else "target"
+        kind = deployment_kind(gen_req.tier)
         for delay in DOWN_RETRY_DELAYS_S + (None,):
             stream = self.handles[kind].options(stream=True).generate.remote(gen_req)
             try:
@@ -242,9 +248,9 @@ class Ingress:
         try:
             return await self._start(gen_req)
         except TierLost as lost:
-            kind = "small" if gen_req.tier == "small" else "target"
+            kind = deployment_kind(gen_req.tier)
             life.tier, k_max, reason, _ = decide()
-            if ("small" if life.tier == "small" else "target") == kind:
+            if deployment_kind(life.tier) == kind:
                 raise lost from None
         logger.warning("request %s: the %s tier was lost; sent to %s (%s)", gen_req.request_id,
                        kind, life.tier, reason)
