@@ -11,14 +11,15 @@ inherit the environment. The Serve HTTP port (the OpenAI API) is not covered by 
 it has specserve's own API keys. The metrics export port is unauthenticated, like Prometheus
 expects; both bind to the addresses Ray chooses (use a firewall on shared hosts).
 
-`direct_ingress_port` (opt-in) also serves the API from the ingress replica's own HTTP server
-on that port, one process hop shorter than Serve's proxy (Ray 2.60's direct ingress, a feature
+`direct_ingress_port` serves the API from the ingress replica's own HTTP server on that port,
+one process hop shorter than Serve's proxy (Ray 2.60's direct ingress, a feature
 flag read from the environment by the controller and the replicas, so it is set here before
 Ray starts and restored by `stop`). The proxy keeps serving `http_port` beside it. The port
 range is that one port (the app has one ingress replica) and its quarantine is 0: the
 quarantine keeps a freed port from HAProxy, which specserve does not run, and would keep a
-restarted ingress off its port for minutes. What the hop saves:
-docs/decisions/0014-serving-path-hops.md.
+restarted ingress off its port for minutes. `specserve up` puts the API's own port here when
+the launcher asks for `direct_ingress` (the local configs do), and the proxy on `proxy_port`.
+What the hop saves: docs/decisions/0034-api-from-the-ingress-replica.md.
 """
 
 from __future__ import annotations

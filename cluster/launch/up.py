@@ -20,11 +20,14 @@ import time
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).parents[1] / "configs" / "local.yaml"
+LAUNCHER_KEYS = {"num_cpus", "num_gpus", "http_host", "http_port", "direct_ingress", "proxy_port",
+                 "dashboard_port", "metrics_port"}
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="app YAML (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="the API's HTTP port (default: the config's launcher.http_port)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use")
     parser.add_argument("--no-dashboard", action="store_true", help="start Ray without its dashboard")
     parser.add_argument("--check", action="store_true",
@@ -90,16 +93,36 @@ def _drain(app_name: str, timeout_s: float, stop: StopSignal) -> None:
 
 
 def _launcher(path: str, args) -> dict:
+    """The launcher section, as `ray_local.start` takes it. `http_port` is the API's port: with
+    `direct_ingress` on, the ingress replica serves it itself (Ray Serve's direct ingress) and
+    Serve's proxy serves the same API on `proxy_port`; off, the proxy serves `http_port`."""
     from router.config import read_yaml
 
     launcher = dict(read_yaml(path).get("launcher") or {})
+    unknown = sorted(set(launcher) - LAUNCHER_KEYS)
+    if unknown:
+        raise LauncherError(f"unknown launcher key(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(sorted(LAUNCHER_KEYS))}")
     cpus = args.num_cpus or launcher.get("num_cpus") or len(os.sched_getaffinity(0))
+    api_port = args.port or launcher.get("http_port", 8000)
+    direct = launcher.get("direct_ingress", False)
+    if not isinstance(direct, bool):
+        raise LauncherError(f"launcher.direct_ingress must be true or false, not {direct!r}")
+    proxy_port = launcher.get("proxy_port", 8002) if direct else api_port
+    for name, port in (("http_port", api_port), ("proxy_port", proxy_port)):
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise LauncherError(f"launcher.{name} {port!r} must be a port (1-65535)")
+    if direct and proxy_port == api_port:
+        raise LauncherError(f"launcher.proxy_port must differ from the API's port {api_port}")
     return {"num_cpus": max(2, int(cpus)), "num_gpus": launcher.get("num_gpus"),
             "http_host": launcher.get("http_host", "127.0.0.1"),
-            "http_port": args.port or launcher.get("http_port", 8000),
+            "http_port": proxy_port, "direct_ingress_port": api_port if direct else None,
             "dashboard_port": launcher.get("dashboard_port", 8265),
-            "metrics_port": launcher.get("metrics_port"),
-            "direct_ingress_port": launcher.get("direct_ingress_port")}
+            "metrics_port": launcher.get("metrics_port")}
+
+
+class LauncherError(ValueError):
+    """A launcher section `specserve up` cannot start: the user's error, one line, exit 2."""
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -150,13 +173,13 @@ def _check(url: str, key: str, model: str) -> bool:
 
 
 def _print_banner(local, cfg, key: str) -> None:
-    api = local.api_url
-    direct = (f"  API, direct ingress      {local.direct_url}/v1   (the same API, one hop fewer)\n"
-              if local.direct_url else "")
+    api = local.direct_url or local.api_url
+    proxy = (f"  API, via Serve's proxy   {local.api_url}/v1   (the same API, one process hop "
+             f"more)\n" if local.direct_url else "")
     print(f"""
 specserve is up.
   API (OpenAI-compatible)  {api}/v1   (also /premium/v1, /standard/v1, /economy/v1)
-{direct}  metrics (Prometheus)     {local.metrics_url}
+{proxy}  metrics (Prometheus)     {local.metrics_url}
   Ray dashboard            {local.dashboard_url or 'off'}   (log in with the token in {local.token_path})
   API key for this run     {key}   (plan: auto; make lasting ones with `specserve keys add`)
 
@@ -186,17 +209,19 @@ def run(args) -> int:
     cfg = load_config(args.config, demo_dir)
     key, record = make_record("specserve-up", "auto")       # valid for this run only
     cfg.auth.keys.append(InlineKey(name=record.name, plan="auto", sha256=record.sha256))
-    launcher = _launcher(args.config, args)
-    if not _port_free(launcher["http_host"], launcher["http_port"]):
-        print(f"specserve up: port {launcher['http_port']} is in use; pass --port", file=sys.stderr)
+    try:
+        launcher = _launcher(args.config, args)
+        if launcher["direct_ingress_port"] and cfg.ingress_num_replicas > 1:
+            raise LauncherError("direct ingress serves one ingress replica per node: set "
+                                "ingress_num_replicas: 1 or launcher.direct_ingress: false")
+    except LauncherError as exc:
+        print(f"specserve up: {exc}", file=sys.stderr)
         return 2
-    direct = launcher["direct_ingress_port"]
-    if direct is not None and (not isinstance(direct, int) or isinstance(direct, bool)
-                               or not 0 < direct < 65536 or direct == launcher["http_port"]
-                               or not _port_free(launcher["http_host"], direct)):
-        print(f"specserve up: launcher.direct_ingress_port {direct!r} must be a free port "
-              f"(1-65535) other than the HTTP port", file=sys.stderr)
-        return 2
+    for port in (launcher["direct_ingress_port"], launcher["http_port"]):
+        if port and not _port_free(launcher["http_host"], port):
+            print(f"specserve up: port {port} is in use; pass --port (the API's) or change "
+                  f"the launcher's ports", file=sys.stderr)
+            return 2
     if launcher["metrics_port"] and not _port_free("127.0.0.1", launcher["metrics_port"]):
         launcher["metrics_port"] = None          # any free port (printed below)
 
@@ -206,7 +231,7 @@ def run(args) -> int:
                             http_host=launcher["http_host"], http_port=launcher["http_port"],
                             metrics_port=launcher["metrics_port"], dashboard=not args.no_dashboard,
                             dashboard_port=launcher["dashboard_port"],
-                            direct_ingress_port=direct)
+                            direct_ingress_port=launcher["direct_ingress_port"])
     stop.install()
     try:
         from ray import serve
@@ -217,11 +242,12 @@ def run(args) -> int:
             return 0
         print("deploying the app (loading models, profiling the engine) ...", flush=True)
         serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
-        _wait_healthy(local.api_url, stop=stop)
+        api = local.direct_url or local.api_url
+        _wait_healthy(api, stop=stop)
         if not stop.requested:
             _print_banner(local, cfg, key)
             if args.check:
-                return 0 if _check(local.api_url, key, cfg.model_name) else 1
+                return 0 if _check(api, key, cfg.model_name) else 1
         while not stop.requested:
             time.sleep(0.2)
         _drain(cfg.name, args.drain_timeout, stop)

@@ -8,10 +8,21 @@ import os
 import pytest
 
 
-@pytest.mark.parametrize("port", ["eight", -1, 70000, True])
-def test_up_refuses_a_bad_direct_port_before_starting_ray(tiny_family, tmp_path, port, capsys):
-    """A typo in launcher.direct_ingress_port is the user's error (exit 2, one line), never a
-    traceback and never a cluster started half-way."""
+@pytest.mark.parametrize("launcher,named", [
+    ({"http_port": 8555, "direct_ingress": True, "proxy_port": "eight"}, "proxy_port"),
+    ({"http_port": 8555, "direct_ingress": True, "proxy_port": -1}, "proxy_port"),
+    ({"http_port": 70000}, "http_port"),
+    ({"http_port": True}, "http_port"),
+    ({"http_port": 8555, "direct_ingress": True, "proxy_port": 8555}, "proxy_port"),
+    ({"http_port": 8555, "direct_ingress": "yes"}, "direct_ingress"),
+    ({"http_port": 8555, "direct_ingress_port": 8556}, "direct_ingress_port"),
+    ({"http_port": 8555, "direct_ingress": True}, "ingress_num_replicas"),
+])
+def test_up_refuses_a_bad_launcher_before_starting_ray(tiny_family, tmp_path, launcher, named,
+                                                       capsys):
+    """A typo in the launcher section is the user's error (exit 2, one line that names the
+    key), never a traceback and never a cluster started half-way. Direct ingress binds one port
+    per node, so two ingress replicas cannot share it."""
     import argparse
 
     import ray
@@ -21,13 +32,37 @@ def test_up_refuses_a_bad_direct_port_before_starting_ray(tiny_family, tmp_path,
 
     path = tmp_path / "up.yaml"
     path.write_text(yaml.safe_dump({
-        "launcher": {"http_port": 8555, "direct_ingress_port": port},
-        "app": {"model_name": "tiny", "target": {"model": str(tiny_family["target"])}}}))
+        "launcher": launcher, "app": {"model_name": "tiny", "ingress_num_replicas": 2,
+                                      "target": {"model": str(tiny_family["target"])}}}))
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
     assert up.run(parser.parse_args(["--config", str(path)])) == 2
-    assert "direct_ingress_port" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
     assert not ray.is_initialized()
+
+
+def test_the_api_port_is_the_ingress_replicas_when_direct_ingress_is_on(tmp_path):
+    """`http_port` is where clients connect. With direct ingress the ingress replica binds it
+    and Serve's proxy moves to `proxy_port`; `--port` moves the API, not the proxy."""
+    import argparse
+
+    import yaml
+
+    from cluster.launch import up
+
+    path = tmp_path / "up.yaml"
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    path.write_text(yaml.safe_dump({"launcher": {"http_port": 8600, "direct_ingress": True,
+                                                 "proxy_port": 8602}}))
+    got = up._launcher(str(path), parser.parse_args(["--config", str(path)]))
+    assert (got["direct_ingress_port"], got["http_port"]) == (8600, 8602)
+    got = up._launcher(str(path), parser.parse_args(["--config", str(path), "--port", "9100"]))
+    assert (got["direct_ingress_port"], got["http_port"]) == (9100, 8602)
+    path.write_text(yaml.safe_dump({"launcher": {"http_port": 8600}}))
+    got = up._launcher(str(path), parser.parse_args(["--config", str(path), "--port", "9100"]))
+    assert (got["direct_ingress_port"], got["http_port"]) == (None, 9100)
 
 
 def test_a_port_a_stopped_server_just_closed_is_free_to_serve_on():

@@ -27,8 +27,11 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 600
 
 
-def _config(tmp_path: Path, family: dict, port: int) -> Path:
-    cfg = {"launcher": {"http_port": port, "metrics_port": None},
+def _config(tmp_path: Path, family: dict, port: int, direct: bool) -> Path:
+    launcher = {"http_port": port, "metrics_port": None}
+    if direct:      # as make run serves: the API from the ingress replica, the proxy beside it
+        launcher.update(direct_ingress=True, proxy_port=free_port())
+    cfg = {"launcher": launcher,
            "app": {"model_name": "tiny",
                    "target": {"model": str(family["target"]), "draft": str(family["draft"]),
                               "num_cpus_per_rank": 0.5, "kv_budget_bytes": 8 << 20},
@@ -46,11 +49,14 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float) -
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("exported", [None, "1"], ids=["serve-defaults", "mode-exported"])
-def test_sigterm_drains_the_stream_and_exits_0(long_family, tmp_path, exported):
+@pytest.mark.parametrize("exported,direct", [(None, False), ("1", True)],
+                         ids=["serve-defaults-proxy", "mode-exported-direct"])
+def test_sigterm_drains_the_stream_and_exits_0(long_family, tmp_path, exported, direct):
     """`exported`: the user exported RAY_SERVE_THROUGHPUT_OPTIMIZED=1, so `specserve up`'s own
     process runs Serve's handles in that mode too (their router on the caller's event loop,
-    which refuses plain `.result()` calls: a drain made of them would be skipped)."""
+    which refuses plain `.result()` calls: a drain made of them would be skipped). `direct`:
+    the API port is served by the ingress replica (direct ingress, as local.yaml has it), so
+    the drain's refusals and the stream's last bytes come from that replica's own server."""
     port = free_port()
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_TOKEN_PATH": str(tmp_path / "token")}
@@ -58,7 +64,7 @@ def test_sigterm_drains_the_stream_and_exits_0(long_family, tmp_path, exported):
     if exported:
         env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = exported
     cmd = [sys.executable, "-m", "cluster", "up", "--config", str(_config(tmp_path, long_family,
-           port)), "--num-cpus", "4", "--no-dashboard", "--drain-timeout", "60"]
+           port, direct)), "--num-cpus", "4", "--no-dashboard", "--drain-timeout", "60"]
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
     try:
