@@ -30,6 +30,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench ramp", "cluster.bench.ramp", "a load that rises and falls against autoscaling tiers: replicas per tier over time"),
     ("bench overload", "cluster.bench.overload", "drive a running cluster at 4x its capacity; check nothing is lost"),
     ("bench prefix", "cluster.bench.prefix", "multi-turn chat on one engine: prefix caching off vs on, TTFT per turn"),
+    ("bench http", "cluster.bench.http_peer", "a stock load client (guidellm) against running servers, interleaved windows, ratios"),
     ("bench serve", "cluster.bench.serve", "drive a running cluster over HTTP: policies x loads, JSON + PNG"),
     ("simulate", "cluster.sim.simulate", "run the capacity simulator on a scenario"),
     ("keys add", "cluster.cli.keys", "create an API key bound to a pricing plan (live, no restart)"),

@@ -68,6 +68,16 @@ def serve_speed_env(direct_ingress: bool) -> dict[str, str]:
     return {name: value for name, value in env.items() if name not in os.environ}
 
 
+def worker_priority_env(niceness: int) -> dict[str, str]:
+    """Ray starts its worker processes (every Serve replica, and the engine processes they
+    start) at niceness 15 unless told otherwise, below any plain process on the machine: a
+    load client or an agent beside them takes a core from the engine first. `specserve up` runs
+    them at 0, as any server is (docs/decisions/0034-api-from-the-ingress-replica.md). A value
+    the user exported wins."""
+    name = "RAY_worker_niceness"
+    return {} if name in os.environ else {name: str(niceness)}
+
+
 def _set_env(values: dict[str, str]) -> None:
     for name, value in values.items():
         _saved_env.setdefault(name, os.environ.get(name))
@@ -144,7 +154,7 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
           http_port: int = 8000, metrics_port: int | None = None, dashboard: bool = True,
           dashboard_port: int = 8265, token_path: str | Path | None = None,
           direct_ingress_port: int | None = None, address: str | None = None,
-          proxy_location: str | None = None) -> LocalRay:
+          proxy_location: str | None = None, worker_niceness: int | None = None) -> LocalRay:
     """Start a local Ray cluster (this process is its driver) and Serve's HTTP proxy, Serve in
     its throughput-optimized mode (`serve_speed_env`; the user's exported value wins).
 
@@ -153,6 +163,7 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
     token file, e.g. several nodes of `ray.cluster_utils.Cluster` on one machine) instead; its
     nodes' resources are their own, `metrics_port` is the head's. `proxy_location` is Serve's
     (default: a proxy on every node; "HeadOnly" where the nodes share one address and port).
+    `worker_niceness`: the niceness of Ray's worker processes (None: Ray's own 15).
     """
     if direct_ingress_port is not None:
         if direct_ingress_port == http_port:
@@ -165,6 +176,8 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
     # handles are called from plain code (`.result()`), which a handle whose router runs on the
     # caller's event loop refuses.
     _set_env(serve_speed_env(direct_ingress_port is not None))
+    if worker_niceness is not None:
+        _set_env(worker_priority_env(worker_niceness))
     path = enable_token_auth(token_path)
 
     metrics_port = metrics_port or free_port()

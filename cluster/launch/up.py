@@ -231,7 +231,8 @@ def run(args) -> int:
                             http_host=launcher["http_host"], http_port=launcher["http_port"],
                             metrics_port=launcher["metrics_port"], dashboard=not args.no_dashboard,
                             dashboard_port=launcher["dashboard_port"],
-                            direct_ingress_port=launcher["direct_ingress_port"])
+                            direct_ingress_port=launcher["direct_ingress_port"],
+                            worker_niceness=0)
     stop.install()
     try:
         from ray import serve

@@ -41,6 +41,27 @@ def _config(tmp_path: Path, family: dict, port: int, direct: bool) -> Path:
     return path
 
 
+def _descendants(pid: int, marker: str) -> list[int]:
+    """The processes under `pid` whose command line holds `marker` (read from /proc)."""
+    parents, cmds = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1]
+                                               .split()[1])
+                cmds[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def under(p: int) -> bool:
+        while p > 1:
+            p = parents.get(p, 0)
+            if p == pid:
+                return True
+        return False
+    return [p for p, cmd in cmds.items() if marker.encode() in cmd and under(p)]
+
+
 def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     while text not in path.read_text():
@@ -61,6 +82,7 @@ def test_sigterm_drains_the_stream_and_exits_0(long_family, tmp_path, exported, 
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_TOKEN_PATH": str(tmp_path / "token")}
     env.pop("RAY_SERVE_THROUGHPUT_OPTIMIZED", None)
+    env.pop("RAY_worker_niceness", None)
     if exported:
         env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = exported
     cmd = [sys.executable, "-m", "cluster", "up", "--config", str(_config(tmp_path, long_family,
@@ -69,6 +91,9 @@ def test_sigterm_drains_the_stream_and_exits_0(long_family, tmp_path, exported, 
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
     try:
         _wait_for(out, "specserve is up", proc, timeout_s=240)
+        # the engine runs at the priority of any server, not at Ray's worker niceness 15
+        engines = _descendants(proc.pid, "engine.engine_core")
+        assert engines and all(os.getpriority(os.PRIO_PROCESS, p) == 0 for p in engines)
         url = f"http://127.0.0.1:{port}"
         events, started = [], threading.Event()
 
