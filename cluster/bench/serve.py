@@ -61,8 +61,39 @@ def add_arguments(parser) -> None:
     a("--no-plot", action="store_true")
 
 
-def _mix(text: str) -> dict[str, float]:
-    return {k: float(v) for k, v in (p.split("=") for p in _list(text, str))}
+def _mix(text: str, flag: str = "--mix") -> dict[str, float]:
+    mix = {}
+    for part in _list(text, str):
+        name, sep, weight = part.partition("=")
+        try:
+            mix[name.strip()] = float(weight)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip() or mix[name.strip()] <= 0:
+            raise ValueError(f"{flag} takes CLASS=WEIGHT,... with weights above 0, not {text!r}")
+    return mix
+
+
+def workload(args) -> tuple[list[str], dict[str, float], tuple[float, dict] | None]:
+    """The policies, the prompt mix and the shift (seconds, later mix) the flags ask for; a
+    malformed flag is a ValueError that names it, raised before anything starts."""
+    from cluster.bench.client import POLICIES
+
+    policies = _list(args.policies, str)
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise ValueError(f"unknown policies {sorted(unknown)}; known: {list(POLICIES)}")
+    shift = None
+    if args.shift:
+        after, sep, later = args.shift.partition(":")
+        try:
+            seconds = float(after)
+        except ValueError:
+            sep = ""
+        if not sep or seconds < 0:
+            raise ValueError(f"--shift takes SECONDS:CLASS=WEIGHT,..., not {args.shift!r}")
+        shift = (seconds, _mix(later, "--shift"))
+    return policies, _mix(args.mix), shift
 
 
 def _list(text: str, cast) -> list:
@@ -131,18 +162,10 @@ async def bench(url: str, key: str, args, progress=True) -> dict:
     import httpx
     from tqdm import tqdm
 
-    from cluster.bench.client import POLICIES, Workload, served_profiles
+    from cluster.bench.client import Workload, served_profiles
     from cluster.bench.stats import SLO, mean_ci95, summarize, timeline
 
-    policies = _list(args.policies, str)
-    unknown = set(policies) - set(POLICIES)
-    if unknown:
-        raise ValueError(f"unknown policies {sorted(unknown)}; known: {list(POLICIES)}")
-    mix = _mix(args.mix)
-    shift = None
-    if args.shift:
-        after, _, later = args.shift.partition(":")
-        shift = (float(after), _mix(later))
+    policies, mix, shift = workload(args)
     prompts = load_prompts(args.prompts, list(mix) + (list(shift[1]) if shift else []))
     loads = [("users", u) for u in _list(args.users, int)] + [("rate", r) for r in _list(args.rates, float)]
     slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
@@ -228,6 +251,11 @@ def compare(results: list[dict]) -> list[dict]:
 
 
 def run(args) -> int:
+    try:
+        workload(args)
+    except ValueError as exc:
+        print(f"specserve bench serve: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.start_local:
