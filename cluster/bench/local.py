@@ -41,16 +41,20 @@ def deploy(cfg, url: str) -> None:
 
 @contextlib.contextmanager
 def local_ray(num_cpus: int | None = None):
-    """Yields the API URL of a local Ray cluster (no app yet); tears Serve and Ray down after."""
+    """Yields the API URL of a local Ray cluster (no app yet); tears Serve and Ray down after.
+    The cluster serves as `specserve up` does: the API from the ingress replica (direct
+    ingress, Serve's proxy beside it) and Ray's workers at niceness 0, so a benchmark measures
+    what `make run` serves (docs/decisions/0034-api-from-the-ingress-replica.md)."""
     import os
 
     from cluster.launch import ray_local
     from models.rendezvous import free_port
 
     cpus = num_cpus or len(os.sched_getaffinity(0))
-    local = ray_local.start(num_cpus=max(2, cpus), http_port=free_port(), dashboard=False)
+    local = ray_local.start(num_cpus=max(2, cpus), http_port=free_port(), dashboard=False,
+                            direct_ingress_port=free_port(), worker_niceness=0)
     try:
-        yield local.api_url
+        yield local.direct_url
     finally:
         ray_local.stop()
 

@@ -74,7 +74,7 @@ def _mix(text: str, flag: str = "--mix") -> dict[str, float]:
     return mix
 
 
-def workload(args) -> tuple[list[str], dict[str, float], tuple[float, dict] | None]:
+def read_workload(args) -> tuple[list[str], dict[str, float], tuple[float, dict] | None]:
     """The policies, the prompt mix and the shift (seconds, later mix) the flags ask for; a
     malformed flag is a ValueError that names it, raised before anything starts."""
     from cluster.bench.client import POLICIES
@@ -165,7 +165,7 @@ async def bench(url: str, key: str, args, progress=True) -> dict:
     from cluster.bench.client import Workload, served_profiles
     from cluster.bench.stats import SLO, mean_ci95, summarize, timeline
 
-    policies, mix, shift = workload(args)
+    policies, mix, shift = read_workload(args)
     prompts = load_prompts(args.prompts, list(mix) + (list(shift[1]) if shift else []))
     loads = [("users", u) for u in _list(args.users, int)] + [("rate", r) for r in _list(args.rates, float)]
     slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
@@ -252,7 +252,7 @@ def compare(results: list[dict]) -> list[dict]:
 
 def run(args) -> int:
     try:
-        workload(args)
+        read_workload(args)
     except ValueError as exc:
         print(f"specserve bench serve: {exc}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ def _args(*flags: str):
 
 
 def test_the_workload_flags_parse():
-    policies, mix, shift = serve.workload(_args("--policies", "standard,auto", "--mix",
+    policies, mix, shift = serve.read_workload(_args("--policies", "standard,auto", "--mix",
                                                 "code=2,chat=1", "--shift", "300:random=1"))
     assert policies == ["standard", "auto"]
     assert mix == {"code": 2.0, "chat": 1.0}
