@@ -10,9 +10,11 @@ cost model's timed parts leave out too). Drafting stays on only where the uncapp
 times the capped ones, over the last `pairs` pairs of adjacent windows (adjacent windows see
 nearly the same batch). Plain decoding wins every tie: the promise is never to be slower.
 
-Verdicts are kept per acceptance regime (the engine's live per-token acceptance in bins of
-`regime_width`): a traffic shift moves the engine to another bin, judged afresh within
-`pairs` pairs of windows, seconds at serving speeds. Once judged, a regime is checked again
+Verdicts are kept per regime: the engine's live per-token acceptance in bins of
+`regime_width`, and the batch's size in powers of two (drafting that pays for 2 sequences can
+lose for 32, where verification is no longer free). A traffic shift or a change of load moves
+the engine to another regime, judged afresh within `pairs` pairs of windows, seconds at
+serving speeds. Once judged, a regime is checked again
 with one pair every `recheck_steps` steps; where drafting pays, that pair's capped window is
 what the check costs (`window_steps / recheck_steps` of the steps, at below drafting's speed:
 under 1% with the defaults). A recheck that disagrees with the verdict starts the regime's
@@ -56,15 +58,18 @@ class GoodputCheck:
     margin: float = 0.02
     recheck_steps: int = 2048
     regime_width: float = 0.1
-    regimes: dict[int, _Regime] = field(default_factory=dict)
-    current: int | None = None
+    regimes: dict[tuple[int, int], _Regime] = field(default_factory=dict)
+    current: tuple[int, int] | None = None
 
-    def regime_of(self, acceptance: float) -> int:
-        return min(int(acceptance / self.regime_width), int(1 / self.regime_width) - 1)
+    def regime_of(self, acceptance: float, batch: int = 1) -> tuple[int, int]:
+        """(acceptance bin, batch bin): batches of 1, 2-3, 4-7, 8-15, ... share a bin."""
+        return (min(int(acceptance / self.regime_width), int(1 / self.regime_width) - 1),
+                max(1, batch).bit_length())
 
-    def allow(self, acceptance: float) -> bool:
-        """Whether the next step may draft (the k rule wanting to), at this acceptance."""
-        key = self.regime_of(acceptance)
+    def allow(self, acceptance: float, batch: int = 1) -> bool:
+        """Whether the next step may draft (the k rule wanting to), at this acceptance, for a
+        batch of `batch` decoding sequences."""
+        key = self.regime_of(acceptance, batch)
         self.current = key
         r = self.regimes.setdefault(key, _Regime())
         if r.window is None:
@@ -98,9 +103,10 @@ class GoodputCheck:
             r.pays = mean >= math.log(1 + self.margin)
             r.since_check = 0
 
-    def verdict(self, acceptance: float) -> bool | None:
-        """Drafting pays at this acceptance (True), loses (False), or is not judged (None)."""
-        r = self.regimes.get(self.regime_of(acceptance))
+    def verdict(self, acceptance: float, batch: int = 1) -> bool | None:
+        """Drafting pays at this acceptance and batch (True), loses (False), or is not judged
+        (None)."""
+        r = self.regimes.get(self.regime_of(acceptance, batch))
         return None if r is None else r.pays
 
     def _exploring(self, r: _Regime) -> bool:

@@ -99,8 +99,7 @@ class LLMEngine:
         # Engine-wide per-token acceptance a (engine/acceptance.py: decayed pooled counts).
         self.acceptance = AcceptanceEstimate(config.prior_acceptance, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self._probe = DraftProbe()    # drafts now and then when no one has for a while
-        # drafting judged by what it delivers, per acceptance regime (engine/goodput.py)
-        self.goodput = GoodputCheck()
+        self.goodput = GoodputCheck()   # drafting judged by what it delivers (engine/goodput.py)
         self._judged = False          # this step's k was the goodput check's to cap
         self._step_tokens = 0
         self._step_drafted = False
@@ -150,7 +149,7 @@ class LLMEngine:
         ks = self._probe(ks, k_max, catch_up_tokens)
         if any(ks):                   # a choice to judge: the check may cap it for a window
             self._judged = True
-            if not self.goodput.allow(self.global_acceptance):
+            if not self.goodput.allow(self.global_acceptance, len(ks)):
                 ks = [0] * len(ks)
         return ks
 
@@ -441,7 +440,8 @@ class LLMEngine:
             acceptance_rate=measured,
             token_acceptance=self.global_acceptance if measured is not None else None,
             speculating_acceptance=tuple(self._acceptance(q) for q in s.running if q.speculative),
-            time=time.time(), drafting_pays=self.goodput.verdict(self.global_acceptance),
+            time=time.time(), drafting_pays=self.goodput.verdict(self.global_acceptance,
+                                                                 len(s.running)),
             prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
             draft=str(self.draft_model.path) if self.draft_model is not None else None)
 

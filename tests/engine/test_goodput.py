@@ -57,6 +57,21 @@ def test_regimes_are_judged_apart():
     assert check.verdict(0.85) is True and check.verdict(0.35) is False
 
 
+def test_a_larger_batch_is_judged_afresh():
+    """Drafting that pays for 2 sequences can lose for 32 (verification is no longer free):
+    the verdict of a small batch does not carry over to a large one, nor back."""
+    check = GoodputCheck(window_steps=4, pairs=2, recheck_steps=4096)
+    small, large = (lambda a, b=2: check.allow(a, b)), (lambda a: check.allow(a, 32))
+    for allow, rate in ((small, {True: 150.0, False: 100.0}), (large, {True: 95.0, False: 100.0})):
+        for _ in range(16):
+            draft = allow(0.8)
+            check.observe(tokens=10, seconds=10 / rate[draft])
+    assert check.verdict(0.8, 2) is True and check.verdict(0.8, 32) is False
+    assert check.verdict(0.8, 3) is True and check.verdict(0.8, 40) is False   # the same bins
+    assert check.verdict(0.8, 8) is None
+    assert check.allow(0.8, 2) and not check.allow(0.8, 32)
+
+
 @pytest.mark.slow
 def test_the_engine_stops_drafting_where_a_hidden_cost_makes_it_lose(make_engine, tiny_family):
     """The target is its own draft (every draft accepted) and each target forward sleeps
@@ -92,13 +107,13 @@ def test_the_engine_stops_drafting_where_a_hidden_cost_makes_it_lose(make_engine
         return drafted
 
     run(40)                                        # calibrated: drafting pays in the model
-    assert engine.goodput.verdict(engine.global_acceptance) is True
+    assert engine.goodput.verdict(engine.global_acceptance, 4) is True
     engine.set_delay("drafted_step", 0.040)
     drafted = run(120)
-    assert engine.goodput.verdict(engine.global_acceptance) is False
+    assert engine.goodput.verdict(engine.global_acceptance, 4) is False
     assert engine.stats().drafting_pays is False
     assert drafted[-16:].count(True) <= 4          # capped but for a recheck window
     engine.set_delay("drafted_step", 0.0)
     drafted = run(160)
-    assert engine.goodput.verdict(engine.global_acceptance) is True
+    assert engine.goodput.verdict(engine.global_acceptance, 4) is True
     assert drafted[-8:].count(True) >= 4           # drafting but for a recheck's capped window
