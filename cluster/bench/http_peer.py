@@ -126,7 +126,12 @@ def run(args) -> int:
     for rnd in range(args.rounds):
         for streams in counts:
             for name, url in pairs:
-                got = _window(args, url, streams, out / f"{name}-s{streams}-r{rnd + 1}.json")
+                try:
+                    got = _window(args, url, streams, out / f"{name}-s{streams}-r{rnd + 1}.json")
+                except (OSError, RuntimeError) as exc:     # no guidellm, or a window failed
+                    print(f"specserve bench http: {name} at {streams} streams: {exc}",
+                          file=sys.stderr)
+                    return 1
                 windows.setdefault((streams, name), []).append(got)
                 print(f"round {rnd + 1} streams {streams:3d} {name:12s} {got['tok_s']:8.1f} tok/s"
                       f"  TTFT p50 {got['ttft_ms']:7.1f} ms  errors {got['errors']}", flush=True)

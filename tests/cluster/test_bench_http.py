@@ -82,3 +82,14 @@ json.dump(r, open(path, "w"))
     assert rows[0]["ratios"]["peer"]["tok_s"] == [2.0, 2.0, 2.0]
     assert "| 1 | 200.0 (60.0) | 100.0 (30.0) | 2.00 (2.00-2.00) | 2.00 (2.00-2.00) |" in \
         capsys.readouterr().out
+
+
+def test_a_missing_guidellm_is_one_line_and_exit_1(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    http_peer.add_arguments(parser)
+    args = parser.parse_args(["--server", "a=http://a", "--server", "b=http://b", "--model", "m",
+                              "--tokenizer", "t", "--guidellm", str(tmp_path / "absent"),
+                              "--out", str(tmp_path / "out")])
+    assert http_peer.run(args) == 1
+    err = capsys.readouterr().err
+    assert "absent" in err and "Traceback" not in err
