@@ -173,7 +173,7 @@ class Loop:
         log = (out / "round.log").open("ab")
         self.proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env,
-            preexec_fn=lambda: os.nice(19))
+            preexec_fn=lambda: os.nice(r.niceness))
         log.close()
         self.candidate, self.state = str(out), "distilling"
         self.started = time.time()

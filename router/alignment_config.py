@@ -13,8 +13,10 @@ class DistillRound(BaseModel):
     model_config = ConfigDict(extra="forbid")
     minutes: float | None = Field(15.0, gt=0, description="training time budget")
     steps: int | None = Field(None, ge=1, description="optimizer steps instead of minutes")
-    threads: int = Field(1, ge=1, description="torch threads of the round's process (it runs "
-                         "at the lowest CPU priority, so serving keeps its cores)")
+    threads: int = Field(1, ge=1, description="torch threads of the round's process")
+    niceness: int = Field(19, ge=0, le=19, description="how far below the loop's own CPU "
+                          "priority the round's process runs (19: the lowest, so serving keeps "
+                          "its cores)")
     temperature: str = Field("1.0", description="served temperature(s), comma-separated")
     replay: int = Field(200, ge=0, description="general-code prompts replayed beside the class")
     guard_prompts: str | None = Field(None, description="JSONL prompts of other traffic, scored "
