@@ -120,8 +120,10 @@ def served_app(tmp_path, family: dict, num_cpus: int = 4, direct_ingress: bool =
     joined = {} if cluster is None else dict(
         address=cluster.address, proxy_location="HeadOnly",
         metrics_port=cluster.head_node.metrics_export_port)
+    # Ray's workers at niceness 0, as `specserve up` runs them: at Ray's 15 a replica waits
+    # behind any test the other pytest worker runs in its own process
     local = ray_local.start(num_cpus=num_cpus, http_port=free_port(), dashboard=False,
-                            token_path=tmp_path / "ray_token",
+                            token_path=tmp_path / "ray_token", worker_niceness=0,
                             direct_ingress_port=free_port() if direct_ingress else None, **joined)
     try:
         config = app_config(family, inline, **overrides)

@@ -369,3 +369,8 @@ def test_a_killed_target_engine_restarts_in_place_while_the_router_goes_around_i
     assert after["pid"] == before["pid"] and after["engine_pid"] != before["engine_pid"]
     assert after["restarts"] == 1
     assert ("small", "tier_down") in reasons and refused > 0
+    # the group's next module (the fuzz) finds the app as this one found it: every tier
+    # reporting, /health 200 (the router reads the new engine's stats a period later)
+    while httpx.get(app.url + "/health", timeout=10).status_code != 200:
+        assert time.time() - killed < 90, "/health not 200 within 90 s of the kill"
+        time.sleep(0.2)
