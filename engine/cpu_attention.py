@@ -2,9 +2,9 @@
 
 Owns: the kernel that attends a group of sequences (decode or verify rows) to keys and values
 read where they lie in the paged pool, the one that writes a forward's new keys and values into
-it, and the building of the engine's C++ kernels (`cpp_kernels`, `engine/cpu_ops.py`'s too) with
-the decision whether this process can build them. Does not own: the per-forward metadata (`engine/attention.py` builds the block table and the row
-lengths) or the pool's layout (`engine/kv_cache.py`, whose key rows this kernel's loop follows).
+it. Does not own: building the C++ kernels (`engine/cpp_build.py`), the per-forward metadata
+(`engine/attention.py` builds the block table and the row lengths) or the pool's layout
+(`engine/kv_cache.py`, whose key rows this kernel's loop follows).
 
 Why: SDPA needs each sequence's keys contiguous, so the batched path first copies them out of
 the pool into a padded buffer, and then reads them again; and SDPA's CPU rows move with their
@@ -37,9 +37,10 @@ speculative output equal plain decoding in bfloat16 (`engine/attention.py`).
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
+
+from engine.cpp_build import C_TYPES, cpp_kernels
 
 log = logging.getLogger(__name__)
 
@@ -268,9 +269,6 @@ extern "C" void kernel(const T* k, const T* v, T* kc, T* vc, const int64_t* koff
 }
 '''
 
-C_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16", torch.float16: "at::Half"}
-
-
 def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
            lens: torch.Tensor, scale: float) -> torch.Tensor:
     """The kernel's math in torch ops (the reference the tests hold it to): q [b, nq, kv_heads,
@@ -285,42 +283,6 @@ def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
     return torch.einsum("bqhgk,bkhd->bqhgd", s.softmax(-1), v).to(q.dtype)
 
 
-class _Built:
-    """C++ sources built once per (source, dtype, head size) in this process; `failed` keeps
-    why building failed here (no compiler, an unsupported platform), after which callers take
-    their torch path."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._fns: dict[tuple, object] = {}
-        self.failed: str | None = None
-        self.builds = 0                  # sources built (or loaded from disk) in this process
-
-    def get(self, name: str, source: str, args: list[str], dtype: torch.dtype, d: int = 0):
-        """The built function, or None where building fails here (logged once)."""
-        key = (name, dtype, d)
-        fn = self._fns.get(key)
-        if fn is not None or self.failed is not None:
-            return fn
-        try:
-            with self._lock:
-                if key not in self._fns:
-                    # imported here: inductor's modules cost ~1 s to import, paid on first use
-                    from torch._inductor.codecache import CppPythonBindingsCodeCache
-                    c_type = C_TYPES[dtype]
-                    code = source.replace("@T@", c_type).replace("@D@", str(d))
-                    types = [a.replace("T", c_type) if a.startswith(("T", "const T")) else a
-                             for a in args]
-                    self._fns[key] = CppPythonBindingsCodeCache.load_pybinding(types, code)
-                    self.builds += 1
-                return self._fns[key]
-        except Exception as e:
-            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            log.warning("CPU attention kernels unavailable (%s); using gather + SDPA", self.failed)
-            return None
-
-
-cpp_kernels = _Built()
 _ATTEND_ARGS = (["const T*"] * 3 + ["const int64_t*"] * 3 + ["T*"] + ["const int64_t"] * 16
                 + ["const float"])
 _WRITE_ARGS = ["const T*"] * 2 + ["T*"] * 2 + ["const int64_t*"] * 2 + ["const int64_t"] * 8

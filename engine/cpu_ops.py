@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.cpu_attention import C_TYPES, PRELUDE, cpp_kernels
+from engine.cpp_build import C_TYPES, cpp_kernels
+from engine.cpu_attention import PRELUDE
 
 # hidden [n, H] (row stride hs) += delta (row stride ds) if has_delta, rounded; then
 # out [n, H] (contiguous) = weight * RMSNorm(hidden) as transformers computes it.

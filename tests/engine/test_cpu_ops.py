@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_ops
-from engine.cpu_attention import cpp_kernels
+from engine.cpp_build import cpp_kernels
 from models.llama import LlamaForward
 
 

@@ -75,7 +75,7 @@ def test_the_fused_kernel_never_compiles_while_serving(tiny_family):
     steps); afterwards no batch shape (sequences, blocks, query tokens, a context under one
     block) may build again: a build takes seconds mid-step (a TP rank that compiled missed its
     liveness ping and took its replica down)."""
-    from engine.cpu_attention import cpp_kernels
+    from engine.cpp_build import cpp_kernels
     from engine.model_runner import ModelRunner
     m, fw, pool, layers, scale = _setup(tiny_family["target"])
     cpp_kernels._fns.clear()                 # as in a fresh process (the disk cache stays)
