@@ -218,6 +218,14 @@ def test_a_block_outside_the_pool_is_an_error_not_a_read():
             PagedAttention(layers, seqs, D ** -0.5, {}, fused=fused)(0, q, k, v)
 
 
+def _fill(kc: torch.Tensor, vc: torch.Tensor, tables: list, gen=None) -> None:
+    """Random keys and values in the blocks of `tables` (a layer's view of a 256 MiB pool is
+    strided: filling all of it took seconds a test)."""
+    used = torch.tensor(sorted({b for t in tables for b in t}))
+    for cache in (kc, vc):
+        cache[used] = torch.randn(cache[used].shape, generator=gen).to(cache.dtype)
+
+
 # (heads, kv heads, head size, target layers, draft (layers, kv heads, head size), block size,
 # sequences, longest context): a toy shape; reference-py's target (5 heads of 64, 12 layers,
 # 16-token blocks) and reference-py-deep's (16 layers beside a 1-layer draft: 48 tokens a block)
@@ -247,7 +255,7 @@ def test_fused_rows_do_not_depend_on_the_batch(dtype, shape, threads):
     rng = random.Random(3)
     contexts = [rng.randrange(5, longest) for _ in range(n_seqs)]
     tables = [pool.allocate(-(-(c + 1) // tpb), "target") for c in contexts]
-    kc.normal_(), vc.normal_()
+    _fill(kc, vc, tables)
     nq = 5
     q = torch.randn(len(contexts) * nq, heads, d, dtype=dtype)
 
@@ -257,25 +265,27 @@ def test_fused_rows_do_not_depend_on_the_batch(dtype, shape, threads):
         k, v = kc[attn.slots].clone(), vc[attn.slots].clone()
         return attn(0, queries, k, v).view(-1, heads, d)
 
-    for fused in (True, False):
+    # the fused kernel, then SDPA in float32 only: rows move with the batch there (1e-7; in
+    # bf16 the rounding hides most such moves at this size), found at the first row that moves
+    for fused in (True, False) if dtype == torch.float32 else (True,):
         # A verify group: every sequence brings its last nq positions as queries.
         verify = attend([SeqSlice(t, c + 1 - nq, nq) for t, c in zip(tables, contexts)], q, fused)
         differ = 0
         for b, (t, c) in enumerate(zip(tables, contexts)):
-            for i in range(nq):
+            for i in range(nq if fused or not differ else 0):
                 row = q[b * nq + i:b * nq + i + 1]
                 alone = attend([SeqSlice(t, c + 1 - nq + i, 1)], row, fused)
+                differ += not torch.equal(alone[0], verify[b * nq + i])
+                if not fused:
+                    continue
                 # in a decode batch with every other sequence's query at the same index
                 rows = torch.cat([q[j * nq + i:j * nq + i + 1] for j in range(len(tables))])
                 batch = attend([SeqSlice(tj, cj + 1 - nq + i, 1) for tj, cj in zip(tables, contexts)],
                                rows, fused)
-                if fused:
-                    assert torch.equal(alone[0], verify[b * nq + i]), (b, i)
-                    assert torch.equal(batch[b], verify[b * nq + i]), (b, i)
-                differ += not torch.equal(alone[0], verify[b * nq + i])
-        if not fused and dtype == torch.float32:
-            assert differ > 0          # SDPA: rows move with the batch (1e-7; in bf16 the
-            #                            rounding hides most such moves at this size)
+                assert torch.equal(alone[0], verify[b * nq + i]), (b, i)
+                assert torch.equal(batch[b], verify[b * nq + i]), (b, i)
+        if not fused:
+            assert differ > 0
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
@@ -294,7 +304,7 @@ def test_prompt_pieces_do_not_depend_on_the_chunks(dtype, heads, kv_heads, d, n,
     table = pool.allocate(-(-n // align), "target")
     others = [pool.allocate(4, "target") for _ in range(3)]
     gen = torch.Generator().manual_seed(0)
-    kc.normal_(generator=gen), vc.normal_(generator=gen)
+    _fill(kc, vc, [table] + others, gen)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
@@ -318,11 +328,14 @@ def test_prompt_pieces_do_not_depend_on_the_chunks(dtype, heads, kv_heads, d, n,
     rng = random.Random(1)
     trials = [sorted(rng.sample(range(align, n, align), rng.randrange(1, 5))) for _ in range(12)]
     whole, moved = run([0, n], align), 0
+    # The test's power: chunk-wide SDPA calls do move rows, so equality below is the pieces'
+    # doing. On AVX2 CPUs they move at both shapes; on an AVX512/AMX Xeon torch's SDPA keeps
+    # the 300-token prompt's rows at every cut, so the check is made where both move (and
+    # ends at the first cut that moves them).
+    sdpa_whole = run([0, n], 1 << 30) if n >= 700 else None
     for cuts in trials:
         assert torch.equal(run([0] + cuts + [n], align), whole), cuts
-        moved += not torch.equal(run([0] + cuts + [n], 1 << 30), run([0, n], 1 << 30))
-    # The test's power: chunk-wide SDPA calls do move rows, so equality above is the pieces'
-    # doing. On AVX2 CPUs they move at both shapes; on an AVX512/AMX Xeon torch's SDPA keeps
-    # the 300-token prompt's rows at every cut, so the check is made where both move.
+        if sdpa_whole is not None and not moved:
+            moved += not torch.equal(run([0] + cuts + [n], 1 << 30), sdpa_whole)
     if n >= 700:
         assert moved > 0
