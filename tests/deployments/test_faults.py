@@ -149,14 +149,24 @@ def test_killing_a_tp_rank_mid_stream(app):
         killed["at"] = time.time()
         os.kill(rank_pid, signal.SIGKILL)
 
-    results = {}
-    # A second stream on the other target tier is in flight too; both must end, with an error.
-    other = threading.Thread(target=lambda: results.setdefault(
-        "premium", _stream(app, "premium", max_tokens=400, speculation="on")))
+    results, premium_started = {}, threading.Event()
+
+    def premium():
+        try:
+            results["premium"] = _stream(app, "premium", on_first=premium_started.set,
+                                         max_tokens=400, speculation="on")
+        except BaseException as e:          # reported below, not lost in the thread
+            results["premium"] = e
+            premium_started.set()
+    # A second stream on the other target tier is in flight too (started before the kill: one
+    # sent after it would be refused, 503); both must end, with an error or complete.
+    other = threading.Thread(target=premium)
     other.start()
+    assert premium_started.wait(60), "the premium stream never started"
     events = _stream(app, "standard", on_first=kill, max_tokens=400, speculation="off")
     other.join(timeout=120)
     assert killed and not other.is_alive()
+    assert isinstance(results["premium"], list), results["premium"]
     for evs in (events, results["premium"]):
         assert _errors(evs) or _finish(evs) == "length", evs[-3:]
     assert _errors(events), f"the stream did not end with an error: {events[-3:]}"
