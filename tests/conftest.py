@@ -1,4 +1,6 @@
 import os
+import sys
+import warnings
 
 import pytest
 import torch
@@ -20,6 +22,23 @@ def odd_draft(tiny_family, tmp_path_factory):
     from tiny_models import make_odd_draft
 
     return make_odd_draft(tmp_path_factory.mktemp("odd-draft") / "draft", tiny_family["target"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_left_behind(request):
+    """A module leaves no Ray connection behind: the next module on this worker starts a cluster
+    of its own (ray.init twice fails) or asserts there is none. A group's shared app stays for
+    the group's next module (tests/app_groups.py). One left behind is shut down and the module
+    named in a warning, so one module's leak does not fail the modules after it."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    helpers = sys.modules.get("serving_helpers")
+    if helpers is not None and helpers._SHARED["stack"] is not None:
+        return
+    warnings.warn(f"{request.module.__name__} left Ray initialized; shut down after it")
+    ray.shutdown()
 
 
 def pytest_collection_modifyitems(items):
