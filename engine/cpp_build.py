@@ -2,13 +2,14 @@
 with inductor's C++ cache, and whether this process can build them at all.
 
 Inductor compiles a kernel once per machine and keeps the library in its cache, but reaching that
-library costs every process about 3 s: importing inductor (about 2 s) and probing which vector
-instruction sets the compiler can target (a child Python per ISA). An engine process pays it at
-each start (a replica, a tensor-parallel rank, an in-place restart). So the library each kernel
-resolved to is recorded (`RECORD_DIR`), under a key of everything inductor's own key depends on
-here: the source, the argument types, the CPU, torch, the compiler and inductor's settings from
-the environment. A later process with the same key loads that library directly, the way
-inductor loads it; one without a record, or whose library is gone, builds through inductor.
+library costs every process an import of inductor and a probe of the vector instruction sets
+the compiler can target (a child Python per ISA): seconds of each engine process's start (a
+replica, a tensor-parallel rank, an in-place restart; figures in
+docs/decisions/0004-cpu-kernels.md). So the library each kernel resolved to is recorded
+(`RECORD_DIR`), under a key of everything inductor's own key depends on here: the source, the
+argument types, the CPU, torch, the compiler and inductor's settings from the environment. A
+later process with the same key loads that library directly, the way inductor loads it; one
+without a record, or whose library is gone, builds through inductor.
 """
 
 from __future__ import annotations
@@ -66,13 +67,14 @@ def _load_recorded(path: Path, key: str):
     return module.kernel
 
 
-def _build(code: str, types: list[str], path: Path):
-    """Build (or find in inductor's cache) the kernel, and record its library at `path`."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache   # ~2 s to import
+def _build(code: str, types: list[str], path: Path | None):
+    """Build (or find in inductor's cache) the kernel, and record its library at `path` (None:
+    no record)."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache   # seconds to import
 
     fn = CppPythonBindingsCodeCache.load_pybinding(types, code)
     library = getattr(getattr(fn, "__self__", None), "__file__", None)
-    if library:
+    if path is not None and library:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -119,9 +121,7 @@ class _Built:
 
     def _load(self, code: str, types: list[str]):
         if self.record_dir is None:
-            from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-            return CppPythonBindingsCodeCache.load_pybinding(types, code)
+            return _build(code, types, None)
         key = record_key(code, types)
         path = self.record_dir / f"{key}.json"
         try:

@@ -90,3 +90,10 @@ print(cpp_build.cpp_kernels.recorded, "torch._inductor.codecache" in sys.modules
         assert r.returncode == 0, r.stderr[-2000:]
     assert runs[0].stdout.split() == ["0", "True"]
     assert runs[1].stdout.split() == ["6", "False"]
+
+
+def test_without_a_record_folder_nothing_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr("engine.cpp_build.RECORD_DIR", tmp_path)
+    plain = _Built(None)
+    assert _silu(plain) is not None and plain.recorded == 0 and plain.builds == 1
+    assert not list(tmp_path.iterdir())

@@ -116,3 +116,17 @@ def test_a_promoted_draft_that_drops_is_rolled_back():
 def test_config_out_of_range_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         AlignmentConfig(**{field: value})
+
+
+@pytest.mark.parametrize("niceness", [-1, 20, "low"])
+def test_a_round_niceness_outside_0_to_19_is_refused(niceness):
+    """`round.niceness` is how far below the loop the round's process runs: 0-19, as os.nice
+    can add without privileges; anything else is a config error, not a failed round."""
+    from pydantic import ValidationError
+
+    from router.alignment_config import AlignmentSection
+
+    assert AlignmentSection(round={"niceness": 0}).round.niceness == 0
+    assert AlignmentSection().round.niceness == 19
+    with pytest.raises(ValidationError, match="niceness"):
+        AlignmentSection(round={"niceness": niceness})
