@@ -3,7 +3,8 @@
 Owns: the distillation data (prompt + target continuation token rows, the target's top-k
 log-probabilities over them, cached once), the DeepSpeed engine that trains the student (its
 config: ZeRO stage, offload, bf16, optimizer, scheduler; its checkpoints, so a run resumes), the
-loss (forward KL to the target at the serving temperature plus a little cross-entropy), held-out
+loss (forward KL or total variation to the target at the serving temperature, plus a little
+cross-entropy), the student's own continuations for on-policy steps, held-out
 acceptance per prompt class, and the output: a standard Hugging Face folder with the target's
 tokenizer. Does not own: generating the continuations (the engine does it; `cluster/cli/draft_distill.py`
 wires them), prompts (`models/distill_prompts.py`), nor serving or swapping the result.
@@ -111,28 +112,76 @@ def teacher_topk(teacher, data: DistillData, temperature: float, k: int = TOP_K,
     return values, ids, mass
 
 
+DIVERGENCES = ("kl", "tv")
+
+
 def distill_loss(student_logits, top_values, top_ids, targets, mask, temperature: float,
-                 ce_weight: float = CE_WEIGHT) -> tuple[torch.Tensor, float]:
-    """Forward KL(p_T || q_T): with `top_ids` None, `top_values` are the teacher's full log-probs;
-    else over the teacher's top-k ids plus one bucket for the rest of the
-    vocabulary (exact KL of that coarser distribution, so never negative and the tail is not
-    left to grow), plus `ce_weight` x cross-entropy on the target's own tokens;
-    (loss, kl) averaged over `mask`."""
+                 ce_weight: float = CE_WEIGHT, divergence: str = "kl") -> tuple[torch.Tensor, float]:
+    """The divergence from the teacher's p_T to the student's q_T, plus `ce_weight` x cross-entropy
+    on the target's own tokens; (loss, divergence) averaged over `mask`.
+
+    `divergence`: "kl", forward KL(p_T || q_T); "tv", total variation 1/2 sum |p_T - q_T|, which
+    is 1 - the acceptance of a token drafted at T (docs/decisions/0035-sampled-objective.md).
+    With `top_ids` None, `top_values` are the teacher's full log-probs; else they cover the
+    teacher's top-k ids and one bucket holds the rest of the vocabulary (the exact divergence of
+    that coarser distribution, so never negative and the tail is not left to grow)."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     logq = F.log_softmax(student_logits.float() / temperature, dim=-1)     # [B, L, V]
     p_log = top_values.float()                                             # [B, L, k or V]
-    if top_ids is None:                   # the teacher's full distribution: the exact KL
-        kl = (p_log.exp() * (p_log - logq)).sum(-1)
-    else:
+    if top_ids is not None:
         q_log = logq.gather(-1, top_ids.long())
-        p_rest = (1 - p_log.exp().sum(-1)).clamp(min=1e-6)
-        q_rest = (1 - q_log.exp().sum(-1)).clamp(min=1e-6)
-        kl = (p_log.exp() * (p_log - q_log)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
+        p_rest = (1 - p_log.exp().sum(-1, keepdim=True)).clamp(min=1e-6)
+        q_rest = (1 - q_log.exp().sum(-1, keepdim=True)).clamp(min=1e-6)
+        p_log, logq = torch.cat([p_log, p_rest.log()], -1), torch.cat([q_log, q_rest.log()], -1)
+    if divergence == "kl":
+        div = (p_log.exp() * (p_log - logq)).sum(-1)
+    else:
+        div = 0.5 * (p_log.exp() - logq.exp()).abs().sum(-1)
     ce = F.cross_entropy(student_logits.float().flatten(0, 1), targets.flatten(),
-                         reduction="none").view_as(kl)
+                         reduction="none").view_as(div)
     m = mask.float()
     n = m.sum().clamp(min=1)
-    kl_mean = (kl * m).sum() / n
-    return kl_mean + ce_weight * (ce * m).sum() / n, kl_mean.item()
+    div_mean = (div * m).sum() / n
+    return div_mean + ce_weight * (ce * m).sum() / n, div_mean.item()
+
+
+@torch.no_grad()
+def student_rollouts(student, data: DistillData, new_tokens: int, temperature: float,
+                     eos_id: int | None) -> DistillData:
+    """On-policy rows: `data`'s prompts, each continued by the student itself (sampled at
+    `temperature`, greedy below GREEDY_BELOW), `new_tokens` at most, ending after an eos."""
+    lens = data.prompt_lens.tolist()
+    width = max(lens)
+    pad = 0 if eos_id is None else eos_id
+    ids = torch.full((len(lens), width), pad, dtype=torch.long)      # left-padded prompts
+    attn = torch.zeros(len(lens), width, dtype=torch.long)
+    for r, n in enumerate(lens):
+        ids[r, width - n:], attn[r, width - n:] = data.tokens[r, :n], 1
+    sampled = temperature >= GREEDY_BELOW
+    was_training = student.training
+    student.eval()
+    out = student.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new_tokens,
+                           do_sample=sampled, temperature=temperature if sampled else None,
+                           top_k=0 if sampled else None, top_p=1.0 if sampled else None,
+                           pad_token_id=pad, eos_token_id=eos_id)
+    student.train(was_training)
+    rows = []
+    for r, n in enumerate(lens):
+        cont = out[r, width:].tolist()
+        if eos_id is not None and eos_id in cont:
+            cont = cont[:cont.index(eos_id) + 1]
+        rows.append((data.tokens[r, :n].tolist(), cont or [pad], data.classes[r]))
+    return DistillData.from_rows(rows)
+
+
+def default_objective(temperatures: float | list[float]) -> tuple[str, float]:
+    """(divergence, on-policy share) where none is given: total variation on the draft's own
+    continuations where every served temperature samples, forward KL on the target's
+    continuations where greedy requests are served (argmax agreement is what is accepted then);
+    measured in docs/decisions/0035-sampled-objective.md."""
+    temps = [temperatures] if isinstance(temperatures, (int, float)) else temperatures
+    return ("tv", 1.0) if min(temps) >= GREEDY_BELOW else ("kl", 0.0)
 
 
 def loss_temperature(temperatures: float | list[float]) -> float:

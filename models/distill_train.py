@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from models.distill import (DistillData, default_ds_config, distill_loss, init_deepspeed,
-                            loss_temperature, save_hf, served_acceptance, split_heldout,
-                            teacher_topk, write_report)
+from models.distill import (DistillData, default_ds_config, default_objective, distill_loss,
+                            init_deepspeed, loss_temperature, save_hf, served_acceptance, split_heldout,
+                            student_rollouts, teacher_topk, write_report)
 from models.loader import check_compatible, load_model
 
 KEEP_CHECKPOINTS = 2
@@ -36,6 +36,52 @@ def _batch(data: DistillData, values, ids, size: int, seed: int, step: int):
             values[rows, :length - 1], ids[rows, :length - 1])
 
 
+class _Rollouts:
+    """On-policy rows: `_batch`'s kind of rows whose continuations the student being trained
+    writes itself (`student_rollouts`, as long as the target's), made `steps_per_draw` steps' worth
+    at a time (one generation of a larger batch costs about what one of a step's batch does;
+    the rows of a draw are at most that many steps behind the student). The teacher scores
+    them in the step. A resumed run samples its rows afresh."""
+
+    def __init__(self, data: DistillData, size: int, seed: int, temperature: float,
+                 steps_per_draw: int = 4):
+        self.data, self.size, self.seed, self.temperature = data, size, seed, temperature
+        self.steps_per_draw = steps_per_draw
+        self.new_tokens = int((data.lengths - data.prompt_lens).max())
+        self.pool: list[DistillData] = []
+
+    def batch(self, engine, step: int):
+        if not self.pool:
+            self._draw(engine.module, step)
+        sub = self.pool.pop()
+        return sub.tokens[:, :-1], sub.tokens[:, 1:], sub.loss_mask(), None, None
+
+    def _draw(self, module, step: int) -> None:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        n = self.size * self.steps_per_draw
+        rows = torch.randint(len(self.data.classes), (n,), generator=g).tolist()
+        torch.manual_seed(self.seed * 1_000_003 + step)
+        eos = getattr(module.config, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, list) else eos
+        drawn = student_rollouts(module, self.data.subset(rows), self.new_tokens, self.temperature, eos)
+        for s in range(0, n, self.size):
+            part = drawn.subset(list(range(s, s + self.size)))
+            self.pool.append(_trimmed(part))
+
+
+def _trimmed(data: DistillData) -> DistillData:
+    """`data` without the padding columns its longest row does not need."""
+    width = int(data.lengths.max())
+    return DistillData(data.tokens[:, :width], data.lengths, data.prompt_lens, data.classes)
+
+
+def _on_policy_step(seed: int, step: int, share: float) -> bool:
+    """Whether global step `step` trains on the student's own continuations (a `share` of steps,
+    chosen from (seed, step) alone)."""
+    g = torch.Generator().manual_seed(seed * 7_919 + step)
+    return share > 0 and float(torch.rand(1, generator=g)) < share
+
+
 def _prune(ckpt: Path) -> None:
     tags = sorted((d for d in ckpt.iterdir() if d.is_dir() and d.name.startswith("step")),
                   key=lambda d: int(d.name[4:]))
@@ -50,7 +96,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                 ds_config: dict | None = None, heldout: float = 0.15, seed: int = 0,
                 role: str = "draft", top_k: int = 64, checkpoint_every_s: float = 120.0,
                 validation: float = 0.05, eval_every_s: float = 60.0,
-                guard_data: DistillData | None = None, log=print) -> dict:
+                guard_data: DistillData | None = None, divergence: str | None = None,
+                on_policy: float | None = None, log=print) -> dict:
     """Train the student in `student_path` towards the target on `data`; write `out`.
 
     `steps` counts DeepSpeed optimizer steps in total (a resumed run continues to it);
@@ -61,8 +108,13 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     gets worse on new prompts, docs/decisions/0020-aligned-drafts.md). With several served
     temperatures (a list) `data`'s rows are labelled `class@T..` (`models.distill.at_temperature`)
     and each is scored at its own. `guard_data` (other traffic the draft serves, never trained
-    on) is scored before and after as well, for the swap's guard. Returns the report.
+    on) is scored before and after as well, for the swap's guard. `divergence` is the loss
+    (`models.distill.distill_loss`); `on_policy` is the share of steps whose continuations the
+    student writes itself at the (highest) served temperature, scored by the target in the step;
+    either left None takes `models.distill.default_objective`'s. Returns the report.
     """
+    temps = [temperature] if isinstance(temperature, (int, float)) else list(temperature)
+    objective = _Objective.of(divergence, on_policy, temps)
     if not steps and not minutes:
         raise ValueError("give a budget: steps or minutes")
     out = Path(out)
@@ -72,19 +124,12 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     student = load_model(student_path)
     check_compatible(target, student, role)        # vocabulary size and every token's id
     split = _Split.of(data, heldout, validation, seed)
-    temps = [temperature] if isinstance(temperature, (int, float)) else list(temperature)
-    t_loss = loss_temperature(temps)
+    t_loss = objective.t_loss
+    top_k = top_k if objective.on_policy < 1 else 0      # every step on-policy: no cache is read
     teacher = _Teacher.of(out / "teacher.pt", target, split.train, t_loss, top_k)
     log(f"teacher top-{top_k or 'all'}: {teacher.mass:.3f} of the probability mass, {teacher.seconds:.0f} s")
-    before, _ = _measured_once(out / "before.json",
-                               lambda: served_acceptance(target.model, student.model, split.held, temps))
-    log("held-out before: " + _fmt(before))
-    guard_before = None
-    if guard_data is not None:
-        guard_before, fresh = _measured_once(
-            out / "guard_before.json", lambda: served_acceptance(target.model, student.model, guard_data, temps))
-        if fresh:
-            log("guard set before: " + _fmt(guard_before))
+    before, guard_before = _scored_before(out, target.model, student.model, split.held, guard_data,
+                                          temps, log)
 
     config = ds_config or default_ds_config()
     model = student.model.float().train()
@@ -93,8 +138,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
         best.offer(0, model)         # no training step beats it
     engine, optimizer, _ = init_deepspeed(model, config)
     budget = _Budget(steps, minutes * 60 if minutes else None, checkpoint_every_s, eval_every_s)
-    trained_s, recent = _train(engine, ckpt, target.model, split.train, teacher, t_loss, best, budget,
-                               seed, role, log)
+    trained_s, recent = _train(engine, ckpt, target.model, split.train, teacher, objective, best,
+                               budget, seed, role, log)
     best.offer(engine.global_steps, engine.module)
     kept = load_model(student_path).model.float()
     kept.load_state_dict(best.state() or engine.module.state_dict())
@@ -110,12 +155,14 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
         guard = {"before": guard_before, "after": guard_after, "delta": _delta(guard_before, guard_after)}
     report = {"role": role, "target": str(target.path), "student": str(student.path),
               "temperature": temps[0] if len(temps) == 1 else temps, "loss_temperature": t_loss,
+              "objective": {"divergence": objective.divergence, "on_policy": objective.on_policy},
               "trainer": "deepspeed", "deepspeed": _deepspeed_record(engine, optimizer, config),
               "data": {"train_rows": len(split.train_idx), "heldout_rows": len(split.held_idx),
                        "train_tokens": int(split.train.loss_mask().sum()),
                        "classes": sorted(set(data.classes)), "teacher_top_k": top_k,
                        "teacher_mass": round(teacher.mass, 4), "teacher_s": round(teacher.seconds, 1)},
-              "train": {"seconds": round(trained_s, 1), "final_kl": round(sum(recent) / max(1, len(recent)), 4)
+              "train": {"seconds": round(trained_s, 1),
+                        "final_divergence": round(sum(recent) / max(1, len(recent)), 4)
                         if recent else None,
                         "kept_step": best.step, "validation_rows": len(split.val_idx),
                         "validation": best.history},
@@ -174,6 +221,26 @@ class _Teacher:
 
 
 @dataclass
+class _Objective:
+    """What a step minimises: the divergence at the loss temperature, and the share of steps on
+    the student's own continuations (sampled at `rollout_temperature`)."""
+
+    divergence: str
+    t_loss: float
+    on_policy: float
+    rollout_temperature: float
+
+    @classmethod
+    def of(cls, divergence: str | None, on_policy: float | None, temps: list[float]) -> "_Objective":
+        """The given choices, `default_objective`'s where None, for the served `temps`."""
+        chosen = default_objective(temps)
+        on_policy = chosen[1] if on_policy is None else on_policy
+        if not 0 <= on_policy <= 1:
+            raise ValueError(f"on_policy is a share of steps in [0, 1], got {on_policy}")
+        return cls(divergence or chosen[0], loss_temperature(temps), on_policy, max(temps))
+
+
+@dataclass
 class _Budget:
     """How long a run trains, and how often it checkpoints and scores the student."""
 
@@ -181,6 +248,21 @@ class _Budget:
     seconds: float | None         # training time in all, or None
     checkpoint_every_s: float
     eval_every_s: float
+
+
+def _scored_before(out: Path, target, student, held: DistillData, guard: DistillData | None,
+                   temps: list[float], log) -> tuple[dict, dict | None]:
+    """The student as given, scored on the held-out rows and the guard set (None without one),
+    each once per run (a resumed run reads them back)."""
+    before, _ = _measured_once(out / "before.json", lambda: served_acceptance(target, student, held, temps))
+    log("held-out before: " + _fmt(before))
+    if guard is None:
+        return before, None
+    guard_before, fresh = _measured_once(out / "guard_before.json",
+                                         lambda: served_acceptance(target, student, guard, temps))
+    if fresh:
+        log("guard set before: " + _fmt(guard_before))
+    return before, guard_before
 
 
 def _measured_once(path: Path, measure) -> tuple[dict, bool]:
@@ -192,11 +274,11 @@ def _measured_once(path: Path, measure) -> tuple[dict, bool]:
     return result, True
 
 
-def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, t_loss: float,
+def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, objective: _Objective,
            best: "_Best", budget: _Budget, seed: int, role: str, log) -> tuple[float, list[float]]:
     """DeepSpeed steps from the last checkpoint in `ckpt` until the budget is spent, offering the
     student to `best` every eval_every_s and checkpointing every checkpoint_every_s and at the
-    end: (seconds trained, previous attempts included; the last steps' KL)."""
+    end: (seconds trained, previous attempts included; the last steps' divergence)."""
     from tqdm.auto import tqdm
 
     elapsed = 0.0
@@ -207,6 +289,7 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, t_
     steps, budget_s = budget.steps, budget.seconds
     size = engine.train_micro_batch_size_per_gpu()
     seed_r = seed + 7919 * engine.global_rank
+    rollouts = _Rollouts(train, size, seed_r, objective.rollout_temperature)
     bar = (tqdm(total=steps, initial=engine.global_steps, unit="step", desc=f"distil {role}")
            if steps else tqdm(total=round(budget_s), initial=round(elapsed), unit="s", desc=f"distil {role}"))
     start, last_ckpt, recent = time.monotonic() - elapsed, time.monotonic(), []
@@ -219,9 +302,13 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, t_
         if time.monotonic() - last_eval >= budget.eval_every_s:
             best.offer(engine.global_steps, engine.module)
             last_eval = time.monotonic()
-        batch = _batch(train, teacher.values, teacher.ids, size, seed_r, engine.global_steps)
-        recent = (recent + [_step(engine, target, batch, t_loss, dtype)])[-20:]
-        bar.set_postfix(step=engine.global_steps, kl=f"{sum(recent) / len(recent):.3f}",
+        step = engine.global_steps
+        if _on_policy_step(seed_r, step, objective.on_policy):
+            batch = rollouts.batch(engine, step)
+        else:
+            batch = _batch(train, teacher.values, teacher.ids, size, seed_r, step)
+        recent = (recent + [_step(engine, target, batch, objective, dtype)])[-20:]
+        bar.set_postfix(step=step, **{objective.divergence: f"{sum(recent) / len(recent):.3f}"},
                         best=f"{best.score:.3f}@{best.step}", refresh=False)
         bar.update(1) if steps else bar.update(round(time.monotonic() - start) - bar.n)
         if time.monotonic() - last_ckpt >= budget.checkpoint_every_s:
@@ -233,14 +320,15 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, t_
     return trained_s, recent
 
 
-def _step(engine, target, batch, t_loss: float, dtype) -> float:
-    """One DeepSpeed optimizer step on `batch` (`_batch`); its KL to the teacher."""
+def _step(engine, target, batch, objective: _Objective, dtype) -> float:
+    """One DeepSpeed optimizer step on `batch` (`_batch`); its divergence from the teacher."""
     inputs, labels, mask, v, i = batch
-    if v is None:
-        with torch.no_grad():
+    t_loss = objective.t_loss
+    if v is None:             # the teacher in the step, in the training's dtype (bf16: 2x faster)
+        with torch.no_grad(), torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype is not None):
             v = torch.log_softmax(target(input_ids=inputs).logits.float() / t_loss, -1)
     logits = engine(input_ids=inputs).logits
-    loss, kl = distill_loss(logits, v, i, labels, mask, t_loss)
+    loss, kl = distill_loss(logits, v, i, labels, mask, t_loss, divergence=objective.divergence)
     engine.backward(loss.to(dtype) if dtype else loss)
     before_step = engine.global_steps
     engine.step()

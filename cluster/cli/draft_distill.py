@@ -45,6 +45,12 @@ def add_arguments(p) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=96)
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch for the continuations")
     p.add_argument("--top-k", type=int, default=64, help="teacher log-probs cached per position")
+    p.add_argument("--divergence", choices=("kl", "tv"), default=None,
+                   help="the loss: forward KL to the target, or total variation (1 - acceptance); "
+                        "default: tv where every served temperature samples, else kl")
+    p.add_argument("--on-policy", type=_share, default=None, metavar="SHARE",
+                   help="share of steps trained on the draft's own continuations, scored by the "
+                        "target; default: 1 where every served temperature samples, else 0")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the default config")
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch of the default config")
 
@@ -73,6 +79,10 @@ def _number(text: str, ok, what: str) -> float:
 
 def _fraction(text: str) -> float:
     return _number(text, lambda v: 0 <= v < 1, "a fraction in [0, 1)")
+
+
+def _share(text: str) -> float:
+    return _number(text, lambda v: 0 <= v <= 1, "a share in [0, 1]")
 
 
 def _positive(text: str) -> float:
@@ -167,7 +177,8 @@ def run(args) -> int:
                              steps=args.steps, minutes=args.minutes, ds_config=config,
                              heldout=args.heldout, seed=args.seed, role=args.role,
                              top_k=args.top_k, validation=args.validation,
-                             eval_every_s=args.eval_every_s, guard_data=guard)
+                             eval_every_s=args.eval_every_s, guard_data=guard,
+                             divergence=args.divergence, on_policy=args.on_policy)
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"specserve draft distill: {exc}", file=sys.stderr)
         return 1

@@ -53,6 +53,9 @@ def test_deepspeed_runs_the_steps_and_acceptance_rises(distilled):
     assert ds["global_steps"] == 60                       # DeepSpeed's own step counter
     assert ds["optimizer"] == "DeepSpeedZeroOptimizer"    # ZeRO stage 1 from the default config
     assert ds["inner_optimizer"] == "AdamW" and ds["zero_stage"] == 1
+    # served at T = 1 only: total variation on the draft's own continuations (0035), no top-k cache
+    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0}
+    assert report["data"]["teacher_top_k"] == 0
     before, after = report["heldout"]["before"], report["heldout"]["after"]
     assert set(before) == {"all", "chat", "code", "prose"}
     assert after["all"]["kl"] < 0.7 * before["all"]["kl"]
@@ -113,6 +116,114 @@ def test_top_k_cache_keeps_the_tail_as_one_bucket():
     greedy = torch.full_like(teacher, -30.0).scatter(-1, top.indices, top.values)
     _, tailless = distill_loss(greedy, top.values, top.indices, targets, mask, 1.0, 0.0)
     assert tailless > 1.0
+
+
+def test_total_variation_is_one_minus_the_acceptance():
+    """--divergence tv: 1/2 sum |p - q| at the loss temperature, which is 1 - sum min(p, q), the
+    acceptance of a token drafted at that temperature; coarser with the top-k cache, never < 0."""
+    import torch
+
+    from models.distill import distill_loss
+
+    torch.manual_seed(1)
+    teacher = (torch.randn(2, 3, 40) * 2).log_softmax(-1)
+    student = torch.randn(2, 3, 40)
+    targets, mask = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False
+    for t in (1.0, 0.7):
+        p, q = (teacher / t).softmax(-1), (student / t).softmax(-1)
+        want = (1 - torch.minimum(p, q).sum(-1))[mask].mean().item()
+        _, tv = distill_loss(student, (teacher / t).log_softmax(-1), None, targets, mask, t, 0.0,
+                             divergence="tv")
+        assert tv == pytest.approx(want, abs=1e-5)
+    top = teacher.topk(6, -1)
+    _, tv_top = distill_loss(student, top.values, top.indices, targets, mask, 1.0, 0.0, divergence="tv")
+    _, tv_full = distill_loss(student, teacher, None, targets, mask, 1.0, 0.0, divergence="tv")
+    assert 0 <= tv_top <= tv_full + 1e-6
+    with pytest.raises(ValueError, match="divergence"):
+        distill_loss(student, teacher, None, targets, mask, 1.0, divergence="js")
+
+
+def test_on_policy_rows_are_the_students_own_continuations(tiny_family):
+    """The rows an on-policy step trains on: each prompt as given, continued by the student (here
+    greedy, to compare with its argmax token by token), prompts of unequal length side by side."""
+    import torch
+
+    from models.distill import DistillData, student_rollouts
+
+    student = load_model(tiny_family["draft"]).model.eval()
+    rows = [([5, 9, 17, 3, 22, 40], [7, 7, 7], "code"), ([11, 4], [1, 2, 3, 4, 5, 6], "chat")]
+    data = DistillData.from_rows(rows)
+    out = student_rollouts(student, data, 5, 0.0, eos_id=None)
+    assert out.classes == ["code", "chat"]
+    assert out.prompt_lens.tolist() == [6, 2] and out.lengths.tolist() == [11, 7]
+    for r, (prompt, _, _) in enumerate(rows):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(5):
+                ids.append(int(student(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        assert out.tokens[r, :len(ids)].tolist() == ids
+    first = out.tokens[1, 2].item()                  # an eos ends the row after it
+    ended = student_rollouts(student, data.subset([1]), 5, 0.0, eos_id=first)
+    assert ended.tokens[0, :int(ended.lengths[0])].tolist() == [11, 4, first]
+    sampled = [student_rollouts(student, data, 5, 1.0, eos_id=None).tokens for _ in range(3)]
+    assert not all(torch.equal(sampled[0], x) for x in sampled[1:])     # sampled at T = 1
+
+
+def test_on_policy_rows_are_drawn_several_steps_at_a_time(tiny_family):
+    """One generation serves `steps_per_draw` steps of `size` rows, each row a training prompt
+    continued by the student; the next step after them draws again, from the student as it is then."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from models.distill import DistillData, student_rollouts
+    from models.distill_train import _Rollouts
+
+    student = load_model(tiny_family["draft"]).model.eval()
+    data = DistillData.from_rows([([3 + i, 8, 9 + i], [4, 4, 4, 4], f"c{i}") for i in range(5)])
+    pool = _Rollouts(data, size=2, seed=0, temperature=0.0, steps_per_draw=3)
+    engine = SimpleNamespace(module=student)
+    seen = [pool.batch(engine, step) for step in range(3)]
+    assert not pool.pool
+    for inputs, labels, mask, v, i in seen:
+        assert inputs.shape[0] == 2 and v is None and i is None
+        assert torch.equal(inputs[:, 1:], labels[:, :-1])
+        for row, m in zip(torch.cat([inputs, labels[:, -1:]], 1), mask):
+            n = int(m.sum()) + 1
+            k = next(k for k in range(5) if data.tokens[k, :3].tolist() == row[:3].tolist())
+            want = student_rollouts(student, data.subset([k]), 4, 0.0, eos_id=None)
+            assert row[:n].tolist() == want.tokens[0].tolist()
+    with torch.no_grad():                                  # the student changes: the next draw follows
+        for w in student.parameters():
+            w.mul_(-1)
+    inputs, _, _, _, _ = pool.batch(engine, 3)
+    assert len(pool.pool) == 2
+    k = next(k for k in range(5) if data.tokens[k, :3].tolist() == inputs[0, :3].tolist())
+    now = student_rollouts(student, data.subset([k]), 4, 0.0, None)
+    assert inputs[0, 3:6].tolist() == now.tokens[0, 3:6].tolist()
+
+
+def test_the_share_of_on_policy_steps():
+    from models.distill_train import _on_policy_step
+
+    assert not any(_on_policy_step(3, s, 0.0) for s in range(200))
+    assert all(_on_policy_step(3, s, 1.0) for s in range(200))
+    half = [_on_policy_step(3, s, 0.5) for s in range(400)]
+    assert 160 < sum(half) < 240
+    assert half == [_on_policy_step(3, s, 0.5) for s in range(400)]    # a resumed run draws the same
+
+
+def test_an_on_policy_total_variation_run(tiny_family, prompts, tmp_path):
+    """--divergence tv --on-policy 1: every step on the draft's own continuations, scored by
+    the target in the step; the report names the objective."""
+    out = tmp_path / "tv"
+    assert _distill(tiny_family, prompts, out, "--steps", "6", "--top-k", "0", "--divergence", "tv",
+                    "--on-policy", "1") == 0
+    report = json.loads((out / "distill.json").read_text())
+    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0}
+    assert report["deepspeed"]["global_steps"] == 6
+    assert 0 < report["train"]["final_divergence"] < 1          # a total variation
 
 
 def test_prompt_file_errors_are_clear(tmp_path):
@@ -232,6 +343,7 @@ def test_several_temperatures_and_a_guard_set(tiny_family, prompts, tmp_path):
                     "--samples", "2", "--guard-prompts", str(guard), "--replay", "4") == 0
     report = json.loads((out / "distill.json").read_text())
     assert report["temperature"] == [0.0, 1.0] and report["loss_temperature"] == 1.0
+    assert report["objective"] == {"divergence": "kl", "on_policy": 0.0}     # greedy served too
     before = report["heldout"]["before"]
     assert {"chat@T0", "chat@T1", "code@T0", "prose@T1", "all@T0", "all@T1", "all"} <= set(before)
     for cls in ("chat", "code", "prose", "all"):
@@ -269,7 +381,8 @@ def test_replay_prompts_are_lines_of_this_pythons_standard_library():
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--temperature", "0,0"),
                                         ("--temperature", "warm"), ("--validation", "1.5"),
                                         ("--heldout", "-0.1"), ("--eval-every-s", "0"),
-                                        ("--replay", "-3")])
+                                        ("--replay", "-3"), ("--on-policy", "1.5"),
+                                        ("--divergence", "js")])
 def test_bad_options_are_refused_before_anything_runs(tiny_family, prompts, tmp_path, flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["draft", "distill", "--target", str(tiny_family["target"]), "--draft",
