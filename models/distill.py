@@ -148,12 +148,13 @@ def distill_loss(student_logits, top_values, top_ids, targets, mask, temperature
 
 @torch.no_grad()
 def student_rollouts(student, data: DistillData, new_tokens: int, temperature: float,
-                     eos_id: int | None) -> DistillData:
+                     eos_ids: tuple[int, ...] = ()) -> DistillData:
     """On-policy rows: `data`'s prompts, each continued by the student itself (sampled at
-    `temperature`, greedy below GREEDY_BELOW), `new_tokens` at most, ending after an eos."""
+    `temperature`, greedy below GREEDY_BELOW), `new_tokens` at most, ending after any of
+    `eos_ids` (`models.loader.eos_token_ids`)."""
     lens = data.prompt_lens.tolist()
     width = max(lens)
-    pad = 0 if eos_id is None else eos_id
+    pad = eos_ids[0] if eos_ids else 0
     ids = torch.full((len(lens), width), pad, dtype=torch.long)      # left-padded prompts
     attn = torch.zeros(len(lens), width, dtype=torch.long)
     for r, n in enumerate(lens):
@@ -164,13 +165,13 @@ def student_rollouts(student, data: DistillData, new_tokens: int, temperature: f
     out = student.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new_tokens,
                            do_sample=sampled, temperature=temperature if sampled else None,
                            top_k=0 if sampled else None, top_p=1.0 if sampled else None,
-                           pad_token_id=pad, eos_token_id=eos_id)
+                           pad_token_id=pad, eos_token_id=list(eos_ids) or None)
     student.train(was_training)
     rows = []
     for r, n in enumerate(lens):
         cont = out[r, width:].tolist()
-        if eos_id is not None and eos_id in cont:
-            cont = cont[:cont.index(eos_id) + 1]
+        ends = [i for i, t in enumerate(cont) if t in eos_ids]
+        cont = cont[:ends[0] + 1] if ends else cont
         rows.append((data.tokens[r, :n].tolist(), cont or [pad], data.classes[r]))
     return DistillData.from_rows(rows)
 

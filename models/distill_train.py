@@ -14,19 +14,24 @@ from pathlib import Path
 
 import torch
 
-from models.distill import (DistillData, default_ds_config, default_objective, distill_loss,
+from models.distill import (DIVERGENCES, DistillData, default_ds_config, default_objective, distill_loss,
                             init_deepspeed, loss_temperature, save_hf, served_acceptance, split_heldout,
                             student_rollouts, teacher_topk, write_report)
-from models.loader import check_compatible, load_model
+from models.loader import check_compatible, eos_token_ids, load_model
 
 KEEP_CHECKPOINTS = 2
 
 
-def _batch(data: DistillData, values, ids, size: int, seed: int, step: int):
-    """The batch of global step `step`: chosen from (seed, step) alone, so a resumed run draws
-    what an uninterrupted one would have."""
+def _rows(data: DistillData, n: int, seed: int, step: int) -> torch.Tensor:
+    """`n` row indices for global step `step`, chosen from (seed, step) alone, so a resumed run
+    draws what an uninterrupted one would have."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    rows = torch.randint(len(data.classes), (size,), generator=g)
+    return torch.randint(len(data.classes), (n,), generator=g)
+
+
+def _batch(data: DistillData, values, ids, size: int, seed: int, step: int):
+    """The batch of global step `step` (its rows from `_rows`)."""
+    rows = _rows(data, size, seed, step)
     sub = data.subset(rows.tolist())
     length = int(sub.lengths.max())
     tokens = sub.tokens[:, :length]
@@ -44,8 +49,9 @@ class _Rollouts:
     them in the step. A resumed run samples its rows afresh."""
 
     def __init__(self, data: DistillData, size: int, seed: int, temperature: float,
-                 steps_per_draw: int = 4):
+                 eos_ids: tuple[int, ...] = (), steps_per_draw: int = 4):
         self.data, self.size, self.seed, self.temperature = data, size, seed, temperature
+        self.eos_ids = eos_ids
         self.steps_per_draw = steps_per_draw
         self.new_tokens = int((data.lengths - data.prompt_lens).max())
         self.pool: list[DistillData] = []
@@ -57,13 +63,11 @@ class _Rollouts:
         return sub.tokens[:, :-1], sub.tokens[:, 1:], sub.loss_mask(), None, None
 
     def _draw(self, module, step: int) -> None:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n = self.size * self.steps_per_draw
-        rows = torch.randint(len(self.data.classes), (n,), generator=g).tolist()
-        torch.manual_seed(self.seed * 1_000_003 + step)
-        eos = getattr(module.config, "eos_token_id", None)
-        eos = eos[0] if isinstance(eos, list) else eos
-        drawn = student_rollouts(module, self.data.subset(rows), self.new_tokens, self.temperature, eos)
+        rows = _rows(self.data, n, self.seed, step).tolist()
+        torch.manual_seed(self.seed * 1_000_003 + step)       # the sampling, too
+        drawn = student_rollouts(module, self.data.subset(rows), self.new_tokens, self.temperature,
+                                 self.eos_ids)
         for s in range(0, n, self.size):
             part = drawn.subset(list(range(s, s + self.size)))
             self.pool.append(_trimmed(part))
@@ -123,6 +127,7 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     target = load_model(target_path)
     student = load_model(student_path)
     check_compatible(target, student, role)        # vocabulary size and every token's id
+    objective.rollout_eos = eos_token_ids(student.path, student.config)
     split = _Split.of(data, heldout, validation, seed)
     t_loss = objective.t_loss
     top_k = top_k if objective.on_policy < 1 else 0      # every step on-policy: no cache is read
@@ -229,15 +234,20 @@ class _Objective:
     t_loss: float
     on_policy: float
     rollout_temperature: float
+    rollout_eos: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, divergence: str | None, on_policy: float | None, temps: list[float]) -> "_Objective":
-        """The given choices, `default_objective`'s where None, for the served `temps`."""
+        """The given choices, `default_objective`'s where None, for the served `temps`; refused
+        before any model loads when out of range."""
         chosen = default_objective(temps)
+        divergence = divergence or chosen[0]
         on_policy = chosen[1] if on_policy is None else on_policy
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
         if not 0 <= on_policy <= 1:
             raise ValueError(f"on_policy is a share of steps in [0, 1], got {on_policy}")
-        return cls(divergence or chosen[0], loss_temperature(temps), on_policy, max(temps))
+        return cls(divergence, loss_temperature(temps), on_policy, max(temps))
 
 
 @dataclass
@@ -289,7 +299,7 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, ob
     steps, budget_s = budget.steps, budget.seconds
     size = engine.train_micro_batch_size_per_gpu()
     seed_r = seed + 7919 * engine.global_rank
-    rollouts = _Rollouts(train, size, seed_r, objective.rollout_temperature)
+    rollouts = _Rollouts(train, size, seed_r, objective.rollout_temperature, objective.rollout_eos)
     bar = (tqdm(total=steps, initial=engine.global_steps, unit="step", desc=f"distil {role}")
            if steps else tqdm(total=round(budget_s), initial=round(elapsed), unit="s", desc=f"distil {role}"))
     start, last_ckpt, recent = time.monotonic() - elapsed, time.monotonic(), []
@@ -324,7 +334,7 @@ def _step(engine, target, batch, objective: _Objective, dtype) -> float:
     """One DeepSpeed optimizer step on `batch` (`_batch`); its divergence from the teacher."""
     inputs, labels, mask, v, i = batch
     t_loss = objective.t_loss
-    if v is None:             # the teacher in the step, in the training's dtype (bf16: 2x faster)
+    if v is None:             # the teacher in the step, in the training's dtype (cheaper in bf16)
         with torch.no_grad(), torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype is not None):
             v = torch.log_softmax(target(input_ids=inputs).logits.float() / t_loss, -1)
     logits = engine(input_ids=inputs).logits

@@ -154,7 +154,7 @@ def test_on_policy_rows_are_the_students_own_continuations(tiny_family):
     student = load_model(tiny_family["draft"]).model.eval()
     rows = [([5, 9, 17, 3, 22, 40], [7, 7, 7], "code"), ([11, 4], [1, 2, 3, 4, 5, 6], "chat")]
     data = DistillData.from_rows(rows)
-    out = student_rollouts(student, data, 5, 0.0, eos_id=None)
+    out = student_rollouts(student, data, 5, 0.0)
     assert out.classes == ["code", "chat"]
     assert out.prompt_lens.tolist() == [6, 2] and out.lengths.tolist() == [11, 7]
     for r, (prompt, _, _) in enumerate(rows):
@@ -164,9 +164,9 @@ def test_on_policy_rows_are_the_students_own_continuations(tiny_family):
                 ids.append(int(student(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
         assert out.tokens[r, :len(ids)].tolist() == ids
     first = out.tokens[1, 2].item()                  # an eos ends the row after it
-    ended = student_rollouts(student, data.subset([1]), 5, 0.0, eos_id=first)
+    ended = student_rollouts(student, data.subset([1]), 5, 0.0, (first,))
     assert ended.tokens[0, :int(ended.lengths[0])].tolist() == [11, 4, first]
-    sampled = [student_rollouts(student, data, 5, 1.0, eos_id=None).tokens for _ in range(3)]
+    sampled = [student_rollouts(student, data, 5, 1.0).tokens for _ in range(3)]
     assert not all(torch.equal(sampled[0], x) for x in sampled[1:])     # sampled at T = 1
 
 
@@ -192,7 +192,7 @@ def test_on_policy_rows_are_drawn_several_steps_at_a_time(tiny_family):
         for row, m in zip(torch.cat([inputs, labels[:, -1:]], 1), mask):
             n = int(m.sum()) + 1
             k = next(k for k in range(5) if data.tokens[k, :3].tolist() == row[:3].tolist())
-            want = student_rollouts(student, data.subset([k]), 4, 0.0, eos_id=None)
+            want = student_rollouts(student, data.subset([k]), 4, 0.0)
             assert row[:n].tolist() == want.tokens[0].tolist()
     with torch.no_grad():                                  # the student changes: the next draw follows
         for w in student.parameters():
@@ -200,7 +200,7 @@ def test_on_policy_rows_are_drawn_several_steps_at_a_time(tiny_family):
     inputs, _, _, _, _ = pool.batch(engine, 3)
     assert len(pool.pool) == 2
     k = next(k for k in range(5) if data.tokens[k, :3].tolist() == inputs[0, :3].tolist())
-    now = student_rollouts(student, data.subset([k]), 4, 0.0, None)
+    now = student_rollouts(student, data.subset([k]), 4, 0.0)
     assert inputs[0, 3:6].tolist() == now.tokens[0, 3:6].tolist()
 
 
@@ -391,3 +391,14 @@ def test_bad_options_are_refused_before_anything_runs(tiny_family, prompts, tmp_
     assert exit_.value.code == 2
     assert flag in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kwargs", [{"divergence": "js"}, {"on_policy": 1.5}])
+def test_an_unknown_objective_is_refused_before_any_model_loads(tmp_path, kwargs):
+    from models.distill import DistillData
+    from models.distill_train import run_distill
+
+    data = DistillData.from_rows([([1, 2], [3], "code")])
+    with pytest.raises(ValueError, match="divergence|on_policy"):
+        run_distill(tmp_path / "no-target", tmp_path / "no-draft", data, tmp_path / "out", steps=1, **kwargs)
+    assert not (tmp_path / "out").exists()
