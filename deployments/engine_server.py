@@ -68,6 +68,7 @@ class EngineServer:
         self._exporter: asyncio.Task | None = None
         self._errors = self._engine_errors()
         self.fingerprint = self.replica_fingerprint(tier)
+        self.replica_id = _serve_replica_id()     # named in its 503s when the engine is down
 
     @staticmethod
     def replica_fingerprint(tier: TierModelConfig) -> str:
@@ -145,10 +146,11 @@ class EngineServer:
         if self._revive():
             left = max(1.0, self.start_s - (time.monotonic() - self._restart_began))
             return TierError(503, f"this replica's engine is restarting; retry in {left:.0f} s",
-                             type_="server_error", code="replica_restarting", retry_after=left)
+                             type_="server_error", code="replica_restarting", retry_after=left,
+                             replica=self.replica_id)
         logger.error("request %s: the engine loop is dead", request_id)
         return TierError(503, "this replica's engine stopped; retry (it is being replaced)",
-                         type_="server_error", code="replica_failed")
+                         type_="server_error", code="replica_failed", replica=self.replica_id)
 
     async def ready(self) -> dict:
         self._start_exporter()
@@ -396,3 +398,14 @@ class EngineServer:
 
 def _value(x):
     return getattr(x, "value", x)
+
+
+def _serve_replica_id() -> str | None:
+    """This Serve replica's id (the one callers' request routers know it by); None outside
+    Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return None

@@ -40,7 +40,7 @@ from router.capture import CaptureBuffer, chat_text
 from router.config import AppConfig
 from router.http_app import app, chain, endpoint_plan, routes
 from router.lifecycle import IngressMetrics, RequestLife
-from router.live_stats import LiveStats
+from router.live_stats import LiveStats, mark_down
 from router.logprobs import ChoiceLogprobs, chunk_logprobs, merge
 from router.observer import Observer
 from router.openai_schema import (ERROR_TYPES, ChatCompletionRequest, CompletionRequest, HTTPError,
@@ -203,7 +203,8 @@ class Ingress:
         """Send to the tier and wait for the first chunk, so errors become HTTP statuses. A
         replica whose engine is down answers at once, before the routers' stats say so (up to
         a stats period): the request, which has not run, goes again, to another replica of
-        the tier where it has one."""
+        the tier where it has one (the router ranks the replica that answered so last:
+        `live_stats.mark_down`)."""
         kind = deployment_kind(gen_req.tier)
         for delay in DOWN_RETRY_DELAYS_S + (None,):
             stream = self.handles[kind].options(stream=True).generate.remote(gen_req)
@@ -218,6 +219,8 @@ class Ingress:
                 return GenerateChunk(text="", finished=True, finish_reason="abort"), stream
             except Exception as exc:
                 err = find_tier_error(exc)
+                if err is not None and err.code in DOWN_CODES and err.replica:
+                    mark_down(err.replica)
                 if (delay is None or err is None or err.code not in DOWN_CODES
                         or len(self.observer.replicas.get(kind, {})) < 2):
                     raise self._failure(exc, gen_req.tier, gen_req.request_id) from None

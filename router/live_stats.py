@@ -27,6 +27,30 @@ logger = logging.getLogger(__name__)
 
 # (app name, deployment name) -> the request router that a handle in this process created.
 _ROUTERS: dict[tuple[str, str], "StatsRequestRouter"] = {}
+# replica id -> wall time at which it answered a caller in this process that its engine is down
+_DOWN: dict[str, float] = {}
+DOWN_FORGET_S = 60.0       # a mark older than this is dropped whatever the stats say
+
+
+def mark_down(replica_id: str, now: float | None = None) -> None:
+    """A replica answered that its engine is down: rank it with the unavailable replicas until
+    it reports stats taken after that (they say whether it serves again). Its own stats reach the
+    routers up to a period late, and Serve breaks a tie of queue lengths by order, so without
+    the mark a request sent again would find the same replica."""
+    _DOWN[replica_id] = time.time() if now is None else now
+
+
+def _reported_down(replica: RunningReplica, stats: EngineStats | None,
+                   now: float | None = None) -> bool:
+    rid = getattr(getattr(replica, "replica_id", None), "unique_id", None)
+    since = _DOWN.get(rid)
+    if since is None:
+        return False
+    now = time.time() if now is None else now
+    if (stats is not None and stats.time > since) or now - since > DOWN_FORGET_S:
+        _DOWN.pop(rid, None)
+        return False
+    return True
 
 
 def _stats(replica: RunningReplica) -> EngineStats | None:
@@ -36,13 +60,15 @@ def _stats(replica: RunningReplica) -> EngineStats | None:
 
 
 def _load_key(replica: RunningReplica) -> tuple:
-    """Unavailable replicas (engine loop dead, awaiting replacement) last, then least loaded."""
-    from router.live_stats import _stats
+    """Unavailable replicas (engine loop dead, awaiting replacement, or said so to a caller
+    here since its last stats) last, then least loaded."""
+    from router.live_stats import _reported_down, _stats
 
     s = _stats(replica)
+    down = _reported_down(replica, s)
     if s is None:
-        return (False, 0, 0)
-    return (not s.available, s.load, s.kv_used_target_bytes + s.kv_used_draft_bytes)
+        return (down, 0, 0)
+    return (down or not s.available, s.load, s.kv_used_target_bytes + s.kv_used_draft_bytes)
 
 
 def replica_groups(candidates: list) -> list[list]:

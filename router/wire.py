@@ -92,14 +92,15 @@ class TierError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None,
-                 retry_after: float | None = None):
-        super().__init__(status, message, type_, code, param, retry_after)
+                 retry_after: float | None = None, replica: str | None = None):
+        super().__init__(status, message, type_, code, param, retry_after, replica)
         self.status = status
         self.message = message
         self.type = type_
         self.code = code
         self.param = param
         self.retry_after = retry_after         # seconds (a 503's expected recovery), if known
+        self.replica = replica                 # the Serve replica id that answered, if it says
 
     def __str__(self) -> str:
         return self.message

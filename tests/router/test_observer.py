@@ -3,6 +3,7 @@ and the simulator alike (one path from the engine to choose_tier)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -76,6 +77,33 @@ def test_small_tier_never_speculates_and_a_dead_replica_goes_last():
     obs.report("dead", engine_stats(available=False))
     obs.report("busy", engine_stats(num_running=9))
     assert obs.next_replica("target").num_running == 9
+
+
+def test_a_replica_that_answered_its_engine_is_down_is_routed_last_until_it_serves_again(
+        monkeypatch):
+    """Its stats still say available (they lag a period) and its queue is as empty as the
+    live one's, a tie Serve breaks by order: the caller's mark puts it last until stats taken
+    after the mark arrive, or the mark is old."""
+    monkeypatch.setattr(live_stats, "_DOWN", {})
+    t0 = time.time()
+
+    def replica(rid, **kw):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid),
+                               routing_stats=engine_stats(time=t0, **kw))
+
+    a, b = replica("a"), replica("b")
+    assert live_stats.replica_groups([a, b]) == [[a, b]]
+    live_stats.mark_down("a", now=t0 + 0.5)
+    assert live_stats.replica_groups([a, b]) == [[b], [a]]
+    assert live_stats.replica_groups([a]) == [[a]]          # alone, it is still tried
+    a.routing_stats = engine_stats(time=t0 + 0.2)               # stats from before the answer
+    assert live_stats.replica_groups([a, b]) == [[b], [a]]
+    a.routing_stats = engine_stats(time=t0 + 1, available=False)
+    assert live_stats.replica_groups([a, b]) == [[b], [a]]
+    a.routing_stats = engine_stats(time=t0 + 1)                 # serves again, said after the mark
+    assert live_stats.replica_groups([a, b]) == [[a, b]] and live_stats._DOWN == {}
+    live_stats.mark_down("b", now=time.time() - live_stats.DOWN_FORGET_S - 1)
+    assert live_stats.replica_groups([a, b]) == [[a, b]]    # an old mark is forgotten
 
 
 class _Recorder(Observer):
