@@ -37,7 +37,10 @@ def mark_down(replica_id: str, now: float | None = None) -> None:
     it reports stats taken after that (they say whether it serves again). Its own stats reach the
     routers up to a period late, and Serve breaks a tie of queue lengths by order, so without
     the mark a request sent again would find the same replica."""
-    _DOWN[replica_id] = time.time() if now is None else now
+    now = time.time() if now is None else now
+    for rid in [r for r, since in _DOWN.items() if now - since > DOWN_FORGET_S]:
+        del _DOWN[rid]                  # replicas gone for good are never asked about again
+    _DOWN[replica_id] = now
 
 
 def _reported_down(replica: RunningReplica, stats: EngineStats | None,

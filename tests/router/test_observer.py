@@ -104,6 +104,9 @@ def test_a_replica_that_answered_its_engine_is_down_is_routed_last_until_it_serv
     assert live_stats.replica_groups([a, b]) == [[a, b]] and live_stats._DOWN == {}
     live_stats.mark_down("b", now=time.time() - live_stats.DOWN_FORGET_S - 1)
     assert live_stats.replica_groups([a, b]) == [[a, b]]    # an old mark is forgotten
+    live_stats.mark_down("gone", now=t0 - live_stats.DOWN_FORGET_S - 1)
+    live_stats.mark_down("a", now=t0 + 3)                   # and never kept for a gone replica
+    assert set(live_stats._DOWN) == {"a"}
 
 
 class _Recorder(Observer):
