@@ -219,10 +219,10 @@ class Ingress:
                 return GenerateChunk(text="", finished=True, finish_reason="abort"), stream
             except Exception as exc:
                 err = find_tier_error(exc)
-                if err is not None and err.code in DOWN_CODES and err.replica:
+                down = err is not None and err.code in DOWN_CODES
+                if down and err.replica:
                     mark_down(err.replica)
-                if (delay is None or err is None or err.code not in DOWN_CODES
-                        or len(self.observer.replicas.get(kind, {})) < 2):
+                if delay is None or not down or len(self.observer.replicas.get(kind, {})) < 2:
                     raise self._failure(exc, gen_req.tier, gen_req.request_id) from None
             await asyncio.sleep(delay)
 

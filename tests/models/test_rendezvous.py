@@ -10,8 +10,8 @@ from models.rendezvous import LOW, ephemeral_low, free_port
 
 def test_a_free_port_lies_outside_the_range_the_os_hands_out():
     """A port from the OS's own range can go to a connection, or to a process with a fixed
-    default port there (Ray's dashboard agent: 52365), before the server binds it: a served
-    test's proxy failed to bind one in CI."""
+    default port there (Ray's dashboard agent: 52365), before the server binds it, and the
+    server then fails to start."""
     top = ephemeral_low()
     ports = [free_port() for _ in range(40)]
     assert all(LOW <= p < top for p in ports), ports
