@@ -150,6 +150,64 @@ class LocalRay:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
+def _children() -> dict[int, str]:
+    """This process's descendants: pid -> name."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            found[child.pid] = child.name()
+        except psutil.Error:
+            pass
+    return found
+
+
+def _stop_new_children(before: dict[int, str]) -> dict[int, str]:
+    """Stop the descendants that are not in `before` (what a failed start left running: Ray
+    spawns its GCS, raylet, monitor and dashboard as this driver's children, and a start that
+    timed out does not stop them). Returns those it stopped."""
+    import psutil
+
+    left = {pid: name for pid, name in _children().items() if pid not in before}
+    procs = []
+    for pid in left:
+        try:
+            procs.append(psutil.Process(pid))
+            procs[-1].terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    return left
+
+
+def start_with_retry(start_fn, cleanup=None):
+    """Call `start_fn` (a Ray start: `ray.init`, `Cluster(...)`); if it misses Ray's fixed 30 s
+    wait for its processes (a loaded machine: a test worker beside another starting a cluster),
+    stop what it left running, say which of Ray's processes were up, and try once more.
+
+    Without the stop, the failed start's GCS and monitor keep running and load the machine
+    during the retry, which then times out as well."""
+    before = _children()
+    try:
+        return start_fn()
+    except Exception as exc:
+        if not any(text in str(exc) for text in STARTUP_TIMEOUTS):
+            raise
+        if cleanup is not None:
+            cleanup()
+        left = _stop_new_children(before)
+        logger.warning("the local Ray cluster did not come up in time (%s); processes up: %s; "
+                       "stopped them and starting it again", exc,
+                       ", ".join(sorted(set(left.values()))) or "none")
+        return start_fn()
+
+
 def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.1",
           http_port: int = 8000, metrics_port: int | None = None, dashboard: bool = True,
           dashboard_port: int = 8265, token_path: str | Path | None = None,
@@ -189,17 +247,7 @@ def start(num_cpus: int, num_gpus: int | None = None, http_host: str = "127.0.0.
                    log_to_driver=False, namespace="specserve")
     if address is not None:
         options = dict(address=address, log_to_driver=False, namespace="specserve")
-    try:
-        context = ray.init(**options)
-    except Exception as exc:
-        # Ray gives its processes a fixed 30 s to come up; on a loaded machine (a test worker
-        # beside another starting a cluster) they may need longer. Once more, then give up.
-        if not any(text in str(exc) for text in STARTUP_TIMEOUTS):
-            raise
-        logger.warning("the local Ray cluster did not come up in time (%s); starting it again",
-                       exc)
-        ray.shutdown()
-        context = ray.init(**options)
+    context = start_with_retry(lambda: ray.init(**options), cleanup=ray.shutdown)
     serve.start(http_options={"host": http_host, "port": http_port},
                 **({"proxy_location": proxy_location} if proxy_location else {}))
     url = getattr(context, "dashboard_url", None)

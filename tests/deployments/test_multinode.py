@@ -50,12 +50,7 @@ def cluster(module_tmp):
     ray_local.enable_token_auth(module_tmp / "ray_token")    # the nodes and the driver share it
     head = {"num_cpus": 3, "resources": {"target_node": 1}, "include_dashboard": False,
             "_system_config": FAST_HEALTH}
-    try:
-        nodes = Cluster(initialize_head=True, head_node_args=head)
-    except RuntimeError as exc:     # Ray's fixed 30 s start, missed on a loaded machine: once more
-        if not any(text in str(exc) for text in ray_local.STARTUP_TIMEOUTS):
-            raise
-        nodes = Cluster(initialize_head=True, head_node_args=head)
+    nodes = ray_local.start_with_retry(lambda: Cluster(initialize_head=True, head_node_args=head))
     small_nodes = [nodes.add_node(num_cpus=0, resources={"small_node": 1})]
     try:
         yield nodes, small_nodes
