@@ -81,17 +81,11 @@ def leave_group() -> None:
 
 
 def _import_architecture(path: str) -> None:
-    """Import transformers' modules for the checkpoint's architecture (loading reads its config
-    and builds its skeleton on the meta device), so that what loading then costs is the shard's."""
-    import importlib
-
+    """Import what loading the checkpoint imports (transformers' config classes, read from its
+    config), so that what loading then costs is the shard's."""
     from transformers import AutoConfig
 
-    kind = AutoConfig.from_pretrained(path).model_type
-    try:
-        importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
-    except ImportError:
-        pass
+    AutoConfig.from_pretrained(path)
 
 
 def rank_options(config) -> dict:

@@ -17,9 +17,9 @@ column- or row-parallel is read from transformers' own `base_model_tp_plan` for 
 so the split is the one transformers' native tensor-parallel plan declares. Embeddings, norms and
 the LM head are replicated (they are small next to the layers).
 
-Loading (`LlamaForward.load`): the model is built as a skeleton on the meta device (no memory),
-which names the tensors it needs, and each rank reads only its part of each from the safetensors
-files (`models/checkpoint.py`), one tensor at a time, in the served dtype, on its device. No
+Loading (`LlamaForward.load`): `needed_tensors` names the tensors the config's model has (as
+transformers names them; checked before anything is read), and each rank reads only its part of
+each from the safetensors files (`models/checkpoint.py`), one tensor at a time, in the served dtype, on its device. No
 process holds the whole checkpoint. `LlamaForward.from_module` runs a model already in memory
 (training, tests). Projections on CPU run through `models/cpu_linear.py`; the elementwise steps
 run as the C++ calls the caller hands in (`ops`), or as torch ops.
@@ -146,14 +146,61 @@ class LlamaLayerWeights:
         self.down = linear.prepare(weight("mlp.down_proj"), self.down_bias)
 
 
-def rotary_embedding(config):
-    """transformers' rotary embedding module for this architecture (its `inv_freq` and
-    `attention_scaling` cover every rope scaling the architecture supports), on the CPU."""
-    from transformers import AutoModelForCausalLM
+def rope_frequencies(config) -> tuple[torch.Tensor, float]:
+    """The rotary embedding's inverse frequencies [head_dim / 2] and its attention scaling, as the
+    Llama family's rotary module in transformers computes them: its default formula, or
+    transformers' own function for a scaled rope type (linear, dynamic, yarn, llama3, ...).
+    Computed here rather than by building that module, which imports the architecture's
+    modeling code: about 0.8 s of CPU in every engine process and rank
+    (docs/decisions/0036-engine-start-without-modeling-code.md)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    return skeleton, type(skeleton.model.rotary_emb)(config=config)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        return inv_freq.float(), float(scaling)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return inv_freq, 1.0
+
+
+# Biases each architecture's projections carry, by the config flag that turns them on (None:
+# always), as transformers' modeling code builds them.
+_BIASES = {"llama": {"attention_bias": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                     "mlp_bias": ("gate_proj", "up_proj", "down_proj")},
+           "mistral": {},
+           "qwen2": {None: ("q_proj", "k_proj", "v_proj")}}
+_MODULE_OF = {name.split(".")[1]: name.split(".")[0] for name in
+              ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+def check_architecture(config) -> None:
+    """Refuse, with the reason, a config this forward does not compute exactly."""
+    if config.model_type not in SUPPORTED:
+        raise ValueError(f"the engine runs the Llama family {sorted(SUPPORTED)}; "
+                         f"got model_type {config.model_type!r}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported activation {config.hidden_act!r}")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("unsupported: MLP biases (mlp_bias true)")
+
+
+def needed_tensors(config) -> set[str]:
+    """The checkpoint tensors a Llama-family model of `config` has, as transformers names its
+    parameters (a test holds this to transformers' own model on the meta device)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not getattr(config, "tie_word_embeddings", False):
+        names.add("lm_head.weight")
+    biased = [p for flag, projs in _BIASES[config.model_type].items()
+              if flag is None or getattr(config, flag, False) for p in projs]
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}"
+        names |= {f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"}
+        names |= {f"{prefix}.{_MODULE_OF[p]}.{p}.weight" for p in _MODULE_OF}
+        names |= {f"{prefix}.{_MODULE_OF[p]}.{p}.bias" for p in biased}
+    return names
 
 
 class LlamaForward:
@@ -164,14 +211,11 @@ class LlamaForward:
     checkpoint folder, read by rank) or `from_module` (a model in memory).
     """
 
-    def __init__(self, config, get: WeightSource, rotary, dtype: torch.dtype,
+    def __init__(self, config, get: WeightSource, rope: tuple[torch.Tensor, float],
+                 dtype: torch.dtype,
                  device: torch.device, rank: int = 0, world: int = 1,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        if config.model_type not in SUPPORTED:
-            raise ValueError(f"the engine runs the Llama family {sorted(SUPPORTED)}; "
-                             f"got model_type {config.model_type!r}")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported activation {config.hidden_act!r}")
+        check_architecture(config)
         if world > 1 and all_reduce is None:
             raise ValueError("tensor parallelism needs an all_reduce function")
         self.config = config
@@ -209,8 +253,8 @@ class LlamaForward:
                                                  self.linear))
             if self.device.type == "cpu":
                 release_freed_memory()
-        self.inv_freq = rotary.inv_freq.detach().float().to(self.device)   # [head_dim / 2]
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        inv_freq, self.rope_scale = rope
+        self.inv_freq = inv_freq.detach().float().to(self.device)   # [head_dim / 2]
 
     @property
     def row_plans(self) -> dict:
@@ -238,19 +282,15 @@ class LlamaForward:
         from transformers import AutoConfig
 
         config = config or AutoConfig.from_pretrained(str(path))
-        skeleton, rotary = rotary_embedding(config)
+        check_architecture(config)
         ckpt = Checkpoint(path)
-        needed = {name for name, _ in skeleton.named_parameters()}
-        if getattr(config, "tie_word_embeddings", False):
-            needed.discard("lm_head.weight")
-        missing = sorted(needed - set(ckpt.tensors))
+        missing = sorted(needed_tensors(config) - set(ckpt.tensors))
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} tensors the model needs, e.g. "
                                   f"{missing[:3]}")
-        del skeleton
         device = torch.device(device)
-        return cls(config, checkpoint_source(ckpt, dtype, device, rank, world), rotary, dtype,
-                   device, rank, world, all_reduce)
+        return cls(config, checkpoint_source(ckpt, dtype, device, rank, world),
+                   rope_frequencies(config), dtype, device, rank, world, all_reduce)
 
     @classmethod
     def from_module(cls, hf_model, rank: int = 0, world: int = 1,
@@ -259,8 +299,10 @@ class LlamaForward:
         """A transformers model already in memory (its weights are used in place where
         unsplit), its kernels built."""
         embed = hf_model.model.embed_tokens.weight
+        rotary = hf_model.model.rotary_emb
         forward = cls(hf_model.config, module_source(hf_model, rank, world),
-                      hf_model.model.rotary_emb, embed.dtype, embed.device, rank, world,
+                      (rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0))),
+                      embed.dtype, embed.device, rank, world,
                       all_reduce)
         forward.build_kernels()
         return forward

@@ -3,11 +3,11 @@ head; random bf16, three safetensors shards) loads under TP = 4 over gloo with e
 reading only its slices, and TP = 4's greedy tokens are TP = 1's.
 
 Each rank's peak resident memory while loading grows by at most 1.15x the bytes of its shard
-plus ALLOWANCE, a constant of the process and not of the model: the meta skeleton's modules,
-one tensor in flight and oneDNN's relayout of it, and the allocator's slack. Importing
-transformers' modules for the architecture (~160 MiB of interpreter) comes before the baseline
-(`TPWorker`), and the kernels built after loading (oneDNN's row plans) are a phase of their own. A rank that read the whole checkpoint first (as
-transformers' `from_pretrained` does) would grow by the whole model.
+plus ALLOWANCE, a constant of the process and not of the model: one tensor in flight and
+oneDNN's relayout of it, and the allocator's slack. Importing transformers' config classes
+comes before the baseline (`TPWorker`), and the kernels built after loading (oneDNN's row plans)
+are a phase of their own. A rank that read the whole checkpoint first (as transformers'
+`from_pretrained` does) would grow by the whole model.
 """
 
 import pytest
