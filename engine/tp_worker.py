@@ -80,7 +80,7 @@ def leave_group() -> None:
             pass
 
 
-def _import_architecture(path: str) -> None:
+def _import_config_classes(path: str) -> None:
     """Import what loading the checkpoint imports (transformers' config classes, read from its
     config), so that what loading then costs is the shard's."""
     from transformers import AutoConfig
@@ -107,7 +107,7 @@ class TPWorker:
         self.plan_dir = plan_dir(row_plan_dir)
         all_reduce = init_tp(rank, world, init_method, device)
         self.rank = rank
-        _import_architecture(target)         # a fixed cost of the process, not of the shard
+        _import_config_classes(target)         # a fixed cost of the process, not of the shard
         before = resident_bytes(reset_peak=True)
         self.forward = load_served(target, dtype, device, rank, world, all_reduce,
                                    tokenizer=False).forward

@@ -24,7 +24,6 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 
 from cluster.launch.status import serve_replicas
