@@ -19,10 +19,11 @@ the LM head are replicated (they are small next to the layers).
 
 Loading (`LlamaForward.load`): `needed_tensors` names the tensors the config's model has (as
 transformers names them; checked before anything is read), and each rank reads only its part of
-each from the safetensors files (`models/checkpoint.py`), one tensor at a time, in the served dtype, on its device. No
-process holds the whole checkpoint. `LlamaForward.from_module` runs a model already in memory
-(training, tests). Projections on CPU run through `models/cpu_linear.py`; the elementwise steps
-run as the C++ calls the caller hands in (`ops`), or as torch ops.
+each from the safetensors files (`models/checkpoint.py`), one tensor at a time, in the served
+dtype, on its device. No process holds the whole checkpoint. `LlamaForward.from_module` runs a
+model already in memory (training, tests). Projections on CPU run through
+`models/cpu_linear.py`; the elementwise steps run as the C++ calls the caller hands in (`ops`),
+or as torch ops.
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ def rope_frequencies(config) -> tuple[torch.Tensor, float]:
     """The rotary embedding's inverse frequencies [head_dim / 2] and its attention scaling, as the
     Llama family's rotary module in transformers computes them: its default formula, or
     transformers' own function for a scaled rope type (linear, dynamic, yarn, llama3, ...).
-    Computed here rather than by building that module, which imports the architecture's
-    modeling code: about 0.8 s of CPU in every engine process and rank
+    Computed here rather than by building that module, which would import the architecture's
+    modeling code in every engine process and rank
     (docs/decisions/0036-engine-start-without-modeling-code.md)."""
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
@@ -165,15 +166,12 @@ def rope_frequencies(config) -> tuple[torch.Tensor, float]:
     return inv_freq, 1.0
 
 
-# Biases each architecture's projections carry, by the config flag that turns them on (None:
-# always), as transformers' modeling code builds them.
-_BIASES = {"llama": {"attention_bias": ("q_proj", "k_proj", "v_proj", "o_proj"),
-                     "mlp_bias": ("gate_proj", "up_proj", "down_proj")},
+# The projections that carry a bias in each architecture, by the config flag that turns them on
+# (None: always), as transformers' modeling code builds them. PROJECTIONS lists q, k, v, o, then
+# gate, up, down.
+_BIASES = {"llama": {"attention_bias": PROJECTIONS[:4], "mlp_bias": PROJECTIONS[4:]},
            "mistral": {},
-           "qwen2": {None: ("q_proj", "k_proj", "v_proj")}}
-_MODULE_OF = {name.split(".")[1]: name.split(".")[0] for name in
-              ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+           "qwen2": {None: PROJECTIONS[:3]}}
 
 
 def check_architecture(config) -> None:
@@ -198,8 +196,8 @@ def needed_tensors(config) -> set[str]:
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}"
         names |= {f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"}
-        names |= {f"{prefix}.{_MODULE_OF[p]}.{p}.weight" for p in _MODULE_OF}
-        names |= {f"{prefix}.{_MODULE_OF[p]}.{p}.bias" for p in biased}
+        names |= {f"{prefix}.{p}.weight" for p in PROJECTIONS}
+        names |= {f"{prefix}.{p}.bias" for p in biased}
     return names
 
 
@@ -212,8 +210,7 @@ class LlamaForward:
     """
 
     def __init__(self, config, get: WeightSource, rope: tuple[torch.Tensor, float],
-                 dtype: torch.dtype,
-                 device: torch.device, rank: int = 0, world: int = 1,
+                 dtype: torch.dtype, device: torch.device, rank: int = 0, world: int = 1,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         check_architecture(config)
         if world > 1 and all_reduce is None:
@@ -302,8 +299,7 @@ class LlamaForward:
         rotary = hf_model.model.rotary_emb
         forward = cls(hf_model.config, module_source(hf_model, rank, world),
                       (rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0))),
-                      embed.dtype, embed.device, rank, world,
-                      all_reduce)
+                      embed.dtype, embed.device, rank, world, all_reduce)
         forward.build_kernels()
         return forward
 
