@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+from cluster.launch import ray_local
 from cluster.launch.status import serve_replicas
 from router.ledger import read_records
 from router.store import Database
@@ -44,13 +45,13 @@ FAST_HEALTH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
 def cluster(module_tmp):
     from ray.cluster_utils import Cluster
 
-    from cluster.launch import ray_local
-
     ray_local.enable_token_auth(module_tmp / "ray_token")    # the nodes and the driver share it
     head = {"num_cpus": 3, "resources": {"target_node": 1}, "include_dashboard": False,
             "_system_config": FAST_HEALTH}
+    # each node's start may miss Ray's fixed 30 s on a loaded machine: once more (ray_local)
     nodes = ray_local.start_with_retry(lambda: Cluster(initialize_head=True, head_node_args=head))
-    small_nodes = [nodes.add_node(num_cpus=0, resources={"small_node": 1})]
+    small_nodes = [ray_local.start_with_retry(
+        lambda: nodes.add_node(num_cpus=0, resources={"small_node": 1}))]
     try:
         yield nodes, small_nodes
     finally:
@@ -213,7 +214,8 @@ def test_a_dead_node_is_routed_around_and_its_tier_placed_again(app, cluster):
         nodes.remove_node(victim, allow_graceful=False)
         # a node to take its place comes later, as a cloud autoscaler's would
         time.sleep(max(0.0, killed["at"] + NEW_NODE_AFTER_S - time.time()))
-        small_nodes.append(nodes.add_node(num_cpus=0, resources={"small_node": 1}))
+        small_nodes.append(ray_local.start_with_retry(
+            lambda: nodes.add_node(num_cpus=0, resources={"small_node": 1})))
         # economy goes around the dead tier, then the small tier serves it again (and a few
         # seconds more), within RECOVERY_S of the kill
         back = None
