@@ -6,6 +6,7 @@ every stream ends complete (a removed replica finishes its streams before it sto
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -62,6 +63,8 @@ def _stream(app, max_tokens: int, out: list) -> None:
     with app.client("economy", timeout=180) as client, \
             client.stream("POST", "/economy/v1/completions", json=body) as r:
         status = r.status_code
+        if status != 200:       # shown with a failure: the refusal's reason
+            print(f"economy stream got {status}: {r.read()[:500]!r}", file=sys.stderr)
         for line in r.iter_lines():
             if line.startswith("data: {") and '"usage"' in line:
                 import json
