@@ -28,7 +28,7 @@ STATS_ROUTER = "router.live_stats:StatsRequestRouter"
 
 
 def _runtime_env(tier: TierModelConfig) -> dict:
-    threads = str(tier.num_threads)
+    threads = str(tier.threads)
     return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                          "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                          **_openmp_wait(tier)}}

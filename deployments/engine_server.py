@@ -45,7 +45,7 @@ class EngineServer:
                  stats_period_s: float = 1.0, peers=None):
         import torch
 
-        torch.set_num_threads(tier.num_threads)
+        torch.set_num_threads(tier.threads)
         self.tier = tier
         config = tier.engine_config()
         if tier.runs_engine_process and engine_class == ENGINE_CLASS:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -53,7 +53,10 @@ class TierModelConfig(_Strict):
     max_num_seqs: int = Field(32, ge=1, description="largest running batch")
     max_model_len: int | None = Field(None, ge=8, description="None: the checkpoint's context")
     max_waiting: int = Field(64, ge=0, description="engine waiting-queue bound (then 429)")
-    num_threads: int = Field(1, ge=1, description="torch threads per rank process")
+    num_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="torch threads per rank process; auto: the CPUs the rank reserves "
+        "(num_cpus_per_rank, at least 1), since threads past a rank's reservation contend with "
+        "the replicas and Ray beside it (docs/decisions/0016-served-target-threads.md)")
     openmp_wait: Literal["passive", "brief", "spin"] = Field(
         "passive", description="idle OpenMP threads sleep at once (passive: cores shared with "
         "busy replicas and Ray), spin tens of microseconds first (brief: a step runs at nearly "
@@ -118,6 +121,13 @@ class TierModelConfig(_Strict):
         return self.max_num_seqs + self.max_waiting + max(4, self.max_num_seqs // 4)
 
     @property
+    def threads(self) -> int:
+        """`num_threads` resolved: the same on every node (it reads the reservation only)."""
+        if self.num_threads == "auto":
+            return max(1, int(self.num_cpus_per_rank))
+        return self.num_threads
+
+    @property
     def runs_engine_process(self) -> bool:
         return self.engine_process if self.engine_process is not None else self.tp_size == 1
 
@@ -129,7 +139,7 @@ class TierModelConfig(_Strict):
             "target": self.model, "draft": self.draft, "dtype": self.dtype, "device": self.device,
             "kv_budget_bytes": self.kv_budget_bytes, "max_num_seqs": self.max_num_seqs,
             "gpu_memory_utilization": self.gpu_memory_utilization,
-            "max_model_len": self.max_model_len, "num_threads": self.num_threads,
+            "max_model_len": self.max_model_len, "num_threads": self.threads,
             "max_waiting": self.max_waiting, "tp_size": self.tp_size,
             "enable_prefix_caching": self.enable_prefix_caching, **self.engine_args})
 

@@ -37,3 +37,22 @@ def test_a_tier_takes_dtype_auto_and_the_bench_config_loads():
 
     cfg = load_config(Path(__file__).parents[2] / "cluster/configs/bench-http.yaml", "/nowhere/family")
     assert cfg.target.dtype == "auto" and cfg.target.openmp_wait == "brief"
+
+
+@pytest.mark.parametrize("cpus,threads,expected", [
+    (0.5, "auto", 1), (1, "auto", 1), (3, "auto", 3), (2.5, "auto", 2), (1, 2, 2)])
+def test_auto_threads_are_the_cpus_the_rank_reserves(cpus, threads, expected):
+    """The replica's OpenMP variables, its torch threads and its engine all get one count:
+    with `auto`, the CPUs Ray reserves for the rank (at least one)."""
+    tier = TierModelConfig(model="m", num_cpus_per_rank=cpus, num_threads=threads)
+    assert tier.threads == expected
+    assert tier.engine_config().num_threads == expected
+    env = _runtime_env(tier)["env_vars"]
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == str(expected)
+
+
+def test_auto_is_the_default_and_other_thread_counts_are_refused():
+    assert TierModelConfig(model="m").num_threads == "auto"
+    for bad in (0, "many", -1):
+        with pytest.raises(ValueError):
+            TierModelConfig(model="m", num_threads=bad)
