@@ -21,9 +21,9 @@ adds a fixed time to every step.
 from __future__ import annotations
 
 import json
-import statistics
+import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cluster.sim.served import ByBatch, bench_acceptance, bench_learnt, bench_path, window_level
@@ -60,6 +60,46 @@ SIM_REQUESTS = 2000
 POLICY_OF = {"standard": ("auto", "standard"), "premium": ("auto", "premium"),
              "economy": ("auto", "economy"), "auto": ("auto", "auto"),
              "always-adaptive": ("always-adaptive", "auto")}
+
+
+REPO_MIX = {"code": 1.0, "prose": 1.0, "chat": 1.0}     # bench serve's default --mix
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """A bench run's request lengths as the simulator draws them: lognormal prompts through the
+    mix's prompts (each class weighted by its share of requests) and max_tokens uniform around
+    the mean, scaled per class as bench serve scales them (cluster/bench/synthetic.py:
+    OUTPUT_SCALE). Exact for a mix of one class or of classes alike in length; for classes
+    unlike each other it is one distribution through them all (its median and spread, not its
+    modes)."""
+    mix: dict
+    output_median: int
+    spread: int
+    prompt_median: int = 16
+    prompt_sigma: float = 0.3
+
+    @classmethod
+    def of(cls, mix: dict, output_tokens: int, output_spread: float) -> "WorkloadShape":
+        from cluster.bench.synthetic import OUTPUT_SCALE
+
+        scale = sum(w * OUTPUT_SCALE.get(c, 1.0) for c, w in mix.items()) / sum(mix.values())
+        median = max(1, round(output_tokens * scale))
+        return cls(dict(mix), median, max(1, round(median * output_spread)))
+
+    def with_prompts(self, lengths: dict[str, list[int]]) -> "WorkloadShape":
+        """The prompts' weighted median and log-spread, from each class's token counts."""
+        total = sum(self.mix[c] for c, ns in lengths.items() if ns)
+        points = sorted((math.log(n), self.mix[c] / total / len(ns))
+                        for c, ns in lengths.items() if ns for n in ns)
+        mean = sum(x * w for x, w in points)
+        sigma = math.sqrt(sum(w * (x - mean) ** 2 for x, w in points))
+        cumulative = 0.0
+        for x, w in points:
+            cumulative += w
+            if cumulative >= 0.5:
+                break
+        return replace(self, prompt_median=round(math.exp(x)), prompt_sigma=sigma)
 
 
 @dataclass
@@ -135,10 +175,12 @@ def _replica(engine, overhead_s: float, learnt: dict | None, profile: dict | Non
 
 
 def build(family: str | None, config: str | None = None, overhead_s: float = 0.0,
-          learnt: dict | None = None, profiles: dict | None = None):
-    """(target replica, small replica, prompt token counts) from the app's config; `profiles`
-    ({tier: step-cost JSON}, what `bench serve` recorded): the tiers' profiled step costs, else
-    the engines' own (profiled here, or read from their cache)."""
+          learnt: dict | None = None, profiles: dict | None = None,
+          classes: list[str] | None = None, prompts_dir: str | None = None):
+    """(target replica, small replica, {class: prompt token counts}, the target's context) from
+    the app's config, for bench serve's prompt `classes` (default: the repo's three);
+    `profiles` ({tier: step-cost JSON}, what `bench serve` recorded): the tiers' profiled step
+    costs, else the engines' own (profiled here, or read from their cache)."""
     from cluster.bench.serve import PROMPTS_DIR, load_prompts
     from cluster.launch.up import DEFAULT_CONFIG
     from engine.llm_engine import LLMEngine
@@ -147,18 +189,18 @@ def build(family: str | None, config: str | None = None, overhead_s: float = 0.0
     # a relative family folder is the caller's (bench serve's --start-local), not the YAML's
     cfg = load_config(config or DEFAULT_CONFIG, Path(family).expanduser().resolve() if family else None)
     engines = [LLMEngine(t.engine_config()) for t in (cfg.target, cfg.small)]
-    prompts = [p for ps in load_prompts(PROMPTS_DIR, ["code", "prose", "chat"]).values() for p in ps]
-    lengths = [len(engines[0].tokenizer(p)["input_ids"]) for p in prompts]
+    prompts = load_prompts(prompts_dir or PROMPTS_DIR, classes or list(REPO_MIX))
+    lengths = {c: [len(engines[0].tokenizer(p)["input_ids"]) for p in ps] for c, ps in prompts.items()}
     profiles = profiles or {}
     reps = [_replica(engines[0], overhead_s, learnt, profiles.get("target")),
             _replica(engines[1], overhead_s, None, profiles.get("small"))]
     for e in engines:
         e.shutdown() if hasattr(e, "shutdown") else None
-    return reps[0], reps[1], lengths
+    return reps[0], reps[1], lengths, engines[0].max_model_len
 
 
 def run_local(args) -> int:
-    from cluster.bench.serve import _list
+    from cluster.bench.serve import _list, _mix
     from cluster.sim.scenarios import AcceptanceMix, Workload
     from cluster.sim.simulator import simulate
 
@@ -178,28 +220,35 @@ def run_local(args) -> int:
         print(f"specserve simulate: unknown policies {sorted(unknown)}; known: {list(POLICY_OF)}",
               file=sys.stderr)
         return 2
-    output_tokens = int(pick(args.output_tokens, "output_tokens", 64))
+    mix = _mix(given["mix"]) if given.get("mix") else REPO_MIX
+    if given.get("shift"):
+        print(f"local-cpu: the bench's traffic shifts ({given['shift']}); this simulates its first "
+              f"mix throughout", file=sys.stderr)
+    shape = WorkloadShape.of(mix, int(pick(args.output_tokens, "output_tokens", 64)),
+                             float(given.get("output_spread", 0.5)))
     window_s = float(given.get("duration_s", 60.0))
-    spread = max(1, round(output_tokens * float(given.get("output_spread", 0.5))))
     # each policy's step times as the engine learnt them in that policy's windows, batch by
     # batch (else the medians over the run)
     pooled = {} if args.profile_only else bench_learnt(bench)
     learnt = {p: pooled if args.profile_only else bench_learnt(bench, p) or pooled for p in policies}
-    target, small, lengths = build(family, config, args.overhead_ms / 1000, pooled,
-                                   bench.get("served_profiles"))
+    target, small, lengths, max_context = build(family, config, args.overhead_ms / 1000, pooled,
+                                   bench.get("served_profiles"), list(mix), given.get("prompts"))
+    shape = shape.with_prompts(lengths)
     measured = {(r["policy"], r["load_kind"], r["load"]): r for r in bench.get("results", [])}
     a = args.acceptance or bench_acceptance(bench) or 0.7
     mix = AcceptanceMix("local", {"code": 1, "prose": 1, "chat": 1}, {"code": a, "prose": a, "chat": a})
-    print(f"local-cpu: acceptance a = {a:.3f}, prompts median {statistics.median(lengths)} tokens, "
+    print(f"local-cpu: acceptance a = {a:.3f}, prompts median {shape.prompt_median} tokens "
+          f"(sigma {shape.prompt_sigma:.2f}), outputs {shape.output_median} +- {shape.spread}, "
           f"learnt while serving: {learnt if any(learnt.values()) else 'nothing'}", file=sys.stderr)
     rows = []
     for kind, load in loads:
         for policy in policies:
             sim_policy, plan = POLICY_OF[policy]
             closed = kind == "users"
-            w = Workload(closed_loop=closed, prompt_median=int(statistics.median(lengths)),
-                         prompt_sigma=0.3, output_median=output_tokens, max_tokens=output_tokens + spread,
-                         output_spread=spread / output_tokens,   # bench serve's lengths
+            w = Workload(closed_loop=closed, prompt_median=shape.prompt_median,
+                         prompt_sigma=shape.prompt_sigma, output_median=shape.output_median,
+                         max_tokens=shape.output_median + shape.spread,
+                         output_spread=shape.spread / shape.output_median,   # bench serve's lengths
                          requests=max(SIM_REQUESTS, 8 * int(load)) if closed else max(1, round(window_s * load)),
                          plan=plan, queue_timeout_s=600,
                          path_s=0.0 if args.profile_only else bench_path(bench, policy, kind, load))
@@ -210,12 +259,13 @@ def run_local(args) -> int:
             # closed loop, one long run (it settles within a few requests a user).
             times = 1 if closed else -(-SIM_REQUESTS // w.requests)
             r = pooled_row([simulate(truth, small, sim_policy, w, mix, load, args.seed * 1000 + i,
-                                     max_context=512) for i in range(times)])
+                                     max_context=max_context) for i in range(times)])
             rows.append(_compared(policy, kind, load, r, measured.get((policy, kind, load))))
     print(table(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"scenario": "local-cpu", "acceptance": a, "rows": rows,
+                                         "workload": asdict(shape),
                                          "overhead_ms": args.overhead_ms, "learnt": learnt,
                                          "bench": str(args.bench) if args.bench else None}, indent=1))
     return 0

@@ -3,11 +3,12 @@ what it learnt while serving), and a bench serve run mirrored load for load."""
 
 import argparse
 import json
+import math
 import statistics
 
 import pytest
 
-from cluster.sim.local import add_arguments, run_local, serving_cost
+from cluster.sim.local import REPO_MIX, WorkloadShape, add_arguments, run_local, serving_cost
 from cluster.sim.served import bench_acceptance, bench_learnt, bench_path, window_level
 from engine.step_cost import LinearCost, LinearStepCost
 
@@ -67,22 +68,17 @@ def test_serving_cost_adds_what_was_learnt_to_the_profile():
     assert cost.draft_s(4, 4) == pytest.approx(1.5 * base.draft_s(4, 4))
 
 
-def test_local_cpu_mirrors_a_bench_run_users_and_poisson_rates(tiny_family, tmp_path):
-    """Given a bench JSON, the simulation takes its family, config, policies and loads, open
-    loop at its Poisson rates, and joins each row with what was measured."""
-    family = tiny_family["target"].parent
+def _app_yaml(family, tmp_path):
     config = tmp_path / "app.yaml"
     config.write_text(f"""app:
   name: specserve
   target: {{model: "{family}/target", draft: "{family}/draft", dtype: float32, num_threads: 1, max_num_seqs: 8}}
   small: {{model: "{family}/small", num_threads: 1, max_num_seqs: 8}}
 """)
-    measured = lambda p, kind, load: {"policy": p, "load_kind": kind, "load": load,   # noqa: E731
-                                      "output_tok_s": 100.0, "e2e_s": {"p95": 1.0}}
-    bench = {"args": {"start_local": str(family), "config": str(config), "users": "2", "rates": "0.5",
-                      "policies": "standard,always-adaptive", "output_tokens": 16, "output_spread": 0.5},
-             "results": [measured("standard", "users", 2), measured("always-adaptive", "rate", 0.5)],
-             "runs": [_run("always-adaptive", 0.5, per_seq_ms=0.1, spec_scale=1.2, running=2, draft_bytes=1)]}
+    return config
+
+
+def _simulate(bench: dict, tmp_path) -> dict:
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
     parser = argparse.ArgumentParser()
@@ -91,7 +87,21 @@ def test_local_cpu_mirrors_a_bench_run_users_and_poisson_rates(tiny_family, tmp_
     parser.add_argument("--json", type=lambda p: tmp_path / p)
     args = parser.parse_args(["--bench", str(path), "--json", "out.json"])
     assert run_local(args) == 0
-    out = json.loads((tmp_path / "out.json").read_text())
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_local_cpu_mirrors_a_bench_run_users_and_poisson_rates(tiny_family, tmp_path):
+    """Given a bench JSON, the simulation takes its family, config, policies and loads, open
+    loop at its Poisson rates, and joins each row with what was measured."""
+    family = tiny_family["target"].parent
+    config = _app_yaml(family, tmp_path)
+    measured = lambda p, kind, load: {"policy": p, "load_kind": kind, "load": load,   # noqa: E731
+                                      "output_tok_s": 100.0, "e2e_s": {"p95": 1.0}}
+    bench = {"args": {"start_local": str(family), "config": str(config), "users": "2", "rates": "0.5",
+                      "policies": "standard,always-adaptive", "output_tokens": 16, "output_spread": 0.5},
+             "results": [measured("standard", "users", 2), measured("always-adaptive", "rate", 0.5)],
+             "runs": [_run("always-adaptive", 0.5, per_seq_ms=0.1, spec_scale=1.2, running=2, draft_bytes=1)]}
+    out = _simulate(bench, tmp_path)
     assert out["learnt"] == {"always-adaptive": {"per_seq_ms": {"2": 0.1}, "spec_scale": {"2": 1.2}},
                              "standard": {"per_seq_ms": 0.1, "spec_scale": 1.2}}   # its own, or the pooled
     assert out["acceptance"] == 0.5
@@ -102,6 +112,34 @@ def test_local_cpu_mirrors_a_bench_run_users_and_poisson_rates(tiny_family, tmp_
     # open loop below saturation carries the offered load: 0.5 requests/s of ~16 tokens
     for p in ("standard", "always-adaptive"):
         assert 0.5 * 16 * 0.6 < rows[(p, "rate", 0.5)]["predicted_tok_s"] < 0.5 * 16 * 1.6
+
+
+def test_a_mix_shapes_the_requests_as_bench_serve_draws_them():
+    """Outputs scaled per class as bench serve scales them (long prompts get an eighth), the
+    spread a share of the scaled mean; prompts at the weighted median and log-spread of the
+    mix's prompts, each class by its share of requests, not by how many prompts it has."""
+    assert WorkloadShape.of(REPO_MIX, 64, 0.5) == WorkloadShape(REPO_MIX, 64, 32)
+    assert WorkloadShape.of({"long": 1.0}, 64, 0.5) == WorkloadShape({"long": 1.0}, 8, 4)
+    assert WorkloadShape.of({"long": 1.0, "code": 3.0}, 64, 0.5).output_median == round(64 * 3.125 / 4)
+    shape = WorkloadShape.of({"a": 1.0, "b": 3.0}, 64, 0.5).with_prompts({"a": [10, 10, 10], "b": [1000]})
+    assert shape.prompt_median == 1000
+    assert shape.prompt_sigma == pytest.approx(math.sqrt(0.25 * 0.75) * math.log(100))
+    even = WorkloadShape.of({"a": 3.0, "b": 1.0}, 64, 0.5).with_prompts({"a": [10, 10, 10], "b": [1000]})
+    assert even.prompt_median == 10
+
+
+def test_local_cpu_mirrors_a_run_of_long_prompts_and_short_answers(tiny_family, tmp_path):
+    """A bench run of another prompt source (`--mix long=1`): the simulated requests have its
+    long prompts and its short answers, and open loop carries its offered output tokens."""
+    family = tiny_family["target"].parent
+    bench = {"args": {"start_local": str(family), "config": str(_app_yaml(family, tmp_path)),
+                      "users": "", "rates": "0.5", "policies": "standard", "output_tokens": 16,
+                      "output_spread": 0.5, "mix": "long=1"},
+             "results": [], "runs": []}
+    out = _simulate(bench, tmp_path)
+    assert out["workload"]["output_median"] == 2 and out["workload"]["prompt_median"] > 500
+    (row,) = out["rows"]
+    assert 0.5 * 2 * 0.6 < row["predicted_tok_s"] < 0.5 * 2 * 1.6
 
 
 def test_bad_input_is_a_message_not_a_traceback(tmp_path, capsys):
