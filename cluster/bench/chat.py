@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import random
 import sys
 import time
 from pathlib import Path
+
+from cluster.bench.machine import describe
 
 PROMPTS_DIR = Path(__file__).parents[1] / "prompts"
 
@@ -272,9 +273,7 @@ def run(args) -> int:
     from_cli = sys.argv[1:3] == ["bench", "chat"]
     report["command"] = "specserve bench chat " + " ".join(sys.argv[3:]) if from_cli else None
     report["args"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "key"}
-    report["machine"] = {"host": platform.node(), "cpus": os.cpu_count(),
-                         "loadavg_at_end": os.getloadavg(),
-                         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    report["machine"] = describe()
     json_path = out.with_suffix(".json")
     json_path.write_text(json.dumps(report, indent=1))
     print(table(report))

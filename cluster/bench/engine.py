@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from cluster.bench.machine import describe
+
 
 def add_arguments(p) -> None:
     p.add_argument("--family", required=True, help="folder with target/ and draft/ (and family.json)")
@@ -237,8 +239,7 @@ def run(args) -> int:
         "new_tokens": args.new_tokens, "prompts": len(single), "prompt_tokens": args.prompt_tokens,
         "k_max": args.k_max, "threads": threads, "device": args.device, "dtype": args.dtype,
         "greedy": args.temperature == 0, "temperature": args.temperature},
-        "machine": {"cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
+        "machine": describe(torch=torch.__version__, python=platform.python_version()),
         "cost_model": b.engine.cost.to_dict(), "single_stream": single_stream, "batch_sweep": sweep}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import random
 import sys
 import time
 from pathlib import Path
+
+from cluster.bench.machine import describe
 
 PROMPTS_DIR = Path(__file__).parents[1] / "prompts"
 FIXED = ("standard", "premium", "always-adaptive")     # the fixed policies auto must match
@@ -273,8 +274,7 @@ def run(args) -> int:
     from_cli = sys.argv[1:3] == ["bench", "serve"]
     report["command"] = "specserve bench serve " + " ".join(sys.argv[3:]) if from_cli else None
     report["args"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("key", "admin_key")}
-    report["machine"] = {"host": platform.node(), "cpus": os.cpu_count(),
-                         "loadavg_at_end": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    report["machine"] = describe()
     if args.alignment_dir:
         from deployments.alignment_loop import read_history
 
