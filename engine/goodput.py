@@ -6,9 +6,11 @@ from what the profile saw, costs the profile never timed. `GoodputCheck` measure
 the live batch it alternates windows of `window_steps` steps with drafting capped (k = 0 for
 every sequence) and uncapped (the k rule's choice), and compares the tokens a second each
 delivered (each step's whole wall time, so every cost of a drafting step counts, those the
-cost model's timed parts leave out too). Drafting stays on only where the uncapped windows delivered at least `1 + margin`
-times the capped ones, over the last `pairs` pairs of adjacent windows (adjacent windows see
-nearly the same batch). Plain decoding wins every tie: the promise is never to be slower.
+cost model's timed parts leave out too). Drafting stays on only where the uncapped windows
+delivered at least `1 + margin` times the capped ones (`1 + batch_margin` for a batch: the k
+rule's own margins, `engine/k_rule.py`), over the last `pairs` pairs of adjacent windows
+(adjacent windows see nearly the same batch). Plain decoding wins every tie: the promise is
+never to be slower.
 
 Verdicts are kept per regime: the engine's live per-token acceptance in bins of
 `regime_width`, and the batch's size in powers of two (drafting that pays for 2 sequences can
@@ -20,14 +22,21 @@ what the check costs (`window_steps / recheck_steps` of the steps, at below draf
 under 1% with the defaults). A recheck that disagrees with the verdict starts the regime's
 judgement afresh, so a change (a draft that slowed down) is followed within `pairs` pairs.
 
-Only steps in which the k rule wanted to draft count (a batch with nothing to draft has no
-choice to judge). Pure Python: no torch, no clock of its own (the engine passes the times).
+Every step in which a sequence may draft counts, whatever the k rule then chose: the windows
+compare the k rule's choices against no drafting, on the same kind of steps. (Counting only
+the steps in which the rule wanted to draft biased the capped windows towards steps that carry
+a prompt's prefill, slow ones, since a draft left behind by a capped window is priced to catch
+up only where a prefill makes the step costly anyway.) The engine asks before it computes the
+k rule, so a capped window costs nothing of it. Pure Python: no torch, no clock of its own
+(the engine passes the times).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from engine.k_rule import MIN_GAIN, MIN_GAIN_ALONE
 
 
 @dataclass
@@ -55,7 +64,8 @@ class _Regime:
 class GoodputCheck:
     window_steps: int = 16
     pairs: int = 3
-    margin: float = 0.02
+    margin: float = MIN_GAIN_ALONE      # a sequence alone (the router's own margin) ...
+    batch_margin: float = MIN_GAIN      # ... and a batch: the k rule's margins, for its reasons
     recheck_steps: int = 2048
     regime_width: float = 0.1
     regimes: dict[tuple[int, int], _Regime] = field(default_factory=dict)
@@ -94,13 +104,14 @@ class GoodputCheck:
         if capped.rate <= 0 or uncapped.rate <= 0:
             return
         x = math.log(uncapped.rate / capped.rate)
-        if r.pays is not None and (x >= math.log(1 + self.margin)) != r.pays:
+        bar = math.log(1 + (self.margin if self.current[1] == 1 else self.batch_margin))
+        if r.pays is not None and (x >= bar) != r.pays:
             r.ratios, r.pays = [x], None   # a recheck disagrees: judge afresh from this pair
         else:
             r.ratios = (r.ratios + [x])[-self.pairs:]
         if len(r.ratios) >= self.pairs:
             mean = sum(r.ratios) / len(r.ratios)
-            r.pays = mean >= math.log(1 + self.margin)
+            r.pays = mean >= bar
             r.since_check = 0
 
     def verdict(self, acceptance: float, batch: int = 1) -> bool | None:

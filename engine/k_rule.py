@@ -263,6 +263,14 @@ class DraftProbe:
         self.idle = 0          # steps since anyone drafted, or since the last probe
         self.follow = False    # the last step was a probe's first: measure on the next
 
+    def due(self) -> bool:
+        """Whether the next step would probe (if no one drafts)."""
+        return self.follow or self.idle + 1 >= self.wait
+
+    def tick(self) -> None:
+        """A step in which no one drafted and the k rule was not asked (drafting capped)."""
+        self.idle += 1
+
     def __call__(self, ks: list[int], k_max: Sequence[int],
                  catch_up_tokens: Sequence[int] | None = None) -> list[int]:
         """`ks` as chosen, or with one sequence drafting one token to probe."""

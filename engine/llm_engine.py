@@ -20,9 +20,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError, TPGroupError
 from engine.faults import Delays, Faults, FaultyRunner
-from engine.goodput import GoodputCheck
+from engine.drafting import StepDrafting
 from engine.grammar import GrammarError
-from engine.k_rule import DraftProbe, catch_up_prices, engine_choose_k
 from engine.kv_cache import BlockPool
 from engine.logits_processors import Processors
 from engine.memory import cpu_kv_budget_bytes, measure_gpu
@@ -94,13 +93,12 @@ class LLMEngine:
                                  prefill_mode=config.prefill_mode,
                                  prefill_align=config.prefill_align,
                                  prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance)
+        self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance,
+                                   self._may_draft)
         self.metrics = Metrics()
         # Engine-wide per-token acceptance a (engine/acceptance.py: decayed pooled counts).
         self.acceptance = AcceptanceEstimate(config.prior_acceptance, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
-        self._probe = DraftProbe()    # drafts now and then when no one has for a while
-        self.goodput = GoodputCheck()   # drafting judged by what it delivers (engine/goodput.py)
-        self._judged = False          # this step's k was the goodput check's to cap
+        self.drafting = StepDrafting()   # the goodput check, then the k rule and its probe
         self._step_tokens = 0
         self._step_drafted = False
         # Where serving time goes: steps against their profile's prices, the loop's time
@@ -137,21 +135,16 @@ class LLMEngine:
     def global_acceptance(self) -> float:
         return self.acceptance.value
 
+    def _may_draft(self, batch: int) -> bool:
+        return not self.config.adaptive_k or self.drafting.may_draft(self.global_acceptance, batch)
+
     def _choose_k(self, acceptance: list[float], k_max: list[int], context_tokens: int,
                   extra_tokens: int, catch_up_tokens: list[int] | None = None,
                   tokens_left: list[int] | None = None) -> list[int]:
         if not self.config.adaptive_k:
             return list(k_max)
-        # The engine's rule, which the simulator's engines share (engine/k_rule.py).
-        catch_up = (catch_up_prices(self.cost, acceptance, catch_up_tokens, tokens_left,
-                                    context_tokens) if catch_up_tokens else None)
-        ks = engine_choose_k(acceptance, k_max, self.cost, context_tokens, extra_tokens, catch_up)
-        ks = self._probe(ks, k_max, catch_up_tokens)
-        if any(ks):                   # a choice to judge: the check may cap it for a window
-            self._judged = True
-            if not self.goodput.allow(self.global_acceptance, len(ks)):
-                ks = [0] * len(ks)
-        return ks
+        return self.drafting.choose_k(self.cost, acceptance, k_max, context_tokens, extra_tokens,
+                                      catch_up_tokens, tokens_left)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -217,7 +210,8 @@ class LLMEngine:
         a final output with `error`); the engine goes on serving the others."""
         start = time.perf_counter()
         self.serving.begin(start)
-        self._judged, self._step_tokens, self._step_drafted = False, 0, False
+        self._step_tokens, self._step_drafted = 0, False
+        self.drafting.begin_step()
         try:
             outputs = self._step(start)
             if self.delays is not None and self._step_drafted:
@@ -225,8 +219,7 @@ class LLMEngine:
             return outputs
         finally:
             end = time.perf_counter()
-            if self._judged:
-                self.goodput.observe(self._step_tokens, end - start)
+            self.drafting.end_step(self._step_tokens, end - start)
             self.serving.end(end, self.scheduler.has_work())
 
     def _step(self, start: float) -> list[RequestOutput]:
@@ -440,7 +433,7 @@ class LLMEngine:
             acceptance_rate=measured,
             token_acceptance=self.global_acceptance if measured is not None else None,
             speculating_acceptance=tuple(self._acceptance(q) for q in s.running if q.speculative),
-            time=time.time(), drafting_pays=self.goodput.verdict(    # the batch _choose_k judges
+            time=time.time(), drafting_pays=self.drafting.goodput.verdict(    # the batch _choose_k judges
                 self.global_acceptance, sum(not q.in_prefill for q in s.running)),
             prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
             draft=str(self.draft_model.path) if self.draft_model is not None else None)

@@ -82,9 +82,13 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, limits: SchedulerLimits, choose_k: ChooseK,
-                 acceptance: Callable[[Sequence], float]):
+                 acceptance: Callable[[Sequence], float],
+                 may_draft: Callable[[int], bool] | None = None):
         self.pool, self.limits = pool, limits
         self.choose_k, self.acceptance = choose_k, acceptance
+        # asked first, with the decoding batch's size: False settles k = 0 for every sequence
+        # without the k rule's inputs or the rule (the engine's goodput check)
+        self.may_draft = may_draft or (lambda batch: True)
         self.tpb = pool.target.tokens_per_block
         self.draft_tpb = pool.draft.tokens_per_block if pool.draft else 0
         self.waiting: deque[Sequence] = deque()
@@ -295,6 +299,8 @@ class Scheduler:
         room = [max(0, min(s.options.k_max, limits.max_model_len - len(s.token_ids) - 1,
                            s.params.max_tokens - s.num_output - 1)) if s.speculative else 0
                 for s in decode]
+        if not any(room) or not self.may_draft(len(decode)):
+            return {id(s): 0 for s in decode}
         prefill = sum(len(s.token_ids) - s.num_computed for s in self.running if s.in_prefill)
         context = sum(len(s.token_ids) for s in decode)
         # A draft on time lags by 1-2 tokens (the last step's bonus and accepted ones), which

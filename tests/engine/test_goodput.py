@@ -4,7 +4,7 @@ drafting off while the model says it pays, and back on once that cost is gone.""
 
 import pytest
 
-from engine.goodput import GoodputCheck
+from engine.goodput import GoodputCheck, _Regime
 from engine.sampling_params import RequestOptions, SamplingParams
 
 
@@ -34,6 +34,17 @@ def test_a_tie_goes_to_plain_decoding():
     check = GoodputCheck(window_steps=4, pairs=3, margin=0.02)
     _drive(check, 24, {True: 101.0, False: 100.0})
     assert check.verdict(0.8) is False
+
+
+def test_a_batch_must_gain_the_k_rules_batch_margin():
+    """A sequence alone keeps drafting that gains 4%; a batch needs the k rule's 5% (MIN_GAIN),
+    for the reasons the rule has it (docs/decisions/0009-k-rule.md)."""
+    check = GoodputCheck(window_steps=4, pairs=3)
+    for batch in (1, 16):
+        for _ in range(24):
+            draft = check.allow(0.8, batch)
+            check.observe(tokens=10, seconds=10 / (104.0 if draft else 100.0))
+    assert check.verdict(0.8, 1) is True and check.verdict(0.8, 16) is False
 
 
 def test_a_verdict_is_rechecked_and_follows_a_change():
@@ -88,7 +99,7 @@ def test_the_engine_stops_drafting_where_a_hidden_cost_makes_it_lose(make_engine
     # a profile in which the draft is cheap next to the target (as the delayed target makes it)
     engine.cost = CalibratedCost(LinearStepCost(LinearCost(5e-3, 1e-4, 1e-5),
                                                 LinearCost(3e-4, 1e-5, 1e-6)), draft_excess=True)
-    engine.goodput = GoodputCheck(window_steps=4, pairs=2, recheck_steps=48)
+    engine.drafting.goodput = GoodputCheck(window_steps=4, pairs=2, recheck_steps=48)
     engine.set_delay("target", 0.004)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     added = 0
@@ -107,13 +118,55 @@ def test_the_engine_stops_drafting_where_a_hidden_cost_makes_it_lose(make_engine
         return drafted
 
     run(40)                                        # calibrated: drafting pays in the model
-    assert engine.goodput.verdict(engine.global_acceptance, 4) is True
+    assert engine.drafting.goodput.verdict(engine.global_acceptance, 4) is True
     engine.set_delay("drafted_step", 0.040)
     drafted = run(120)
-    assert engine.goodput.verdict(engine.global_acceptance, 4) is False
+    assert engine.drafting.goodput.verdict(engine.global_acceptance, 4) is False
     assert engine.stats().drafting_pays is False
     assert drafted[-16:].count(True) <= 4          # capped but for a recheck window
     engine.set_delay("drafted_step", 0.0)
     drafted = run(160)
-    assert engine.goodput.verdict(engine.global_acceptance, 4) is True
+    assert engine.drafting.goodput.verdict(engine.global_acceptance, 4) is True
     assert drafted[-8:].count(True) >= 4           # drafting but for a recheck's capped window
+
+
+def _speculative_batch(engine, n: int, steps: int, tokens: int = 400) -> None:
+    from engine.sampling_params import RequestOptions, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"s{i}", [5, 7, 9, 11 + i], params, RequestOptions("speculative", k_max=3))
+    for _ in range(steps):
+        engine.step()
+
+
+def test_a_capped_window_does_not_compute_the_k_rule(make_engine):
+    """Where the check has judged drafting to lose, its capped windows settle k = 0 before the
+    k rule or its inputs are computed (at a large batch the rule costs a few percent of a
+    step). Red if the rule runs first and the check only caps its answer."""
+    engine = make_engine(adaptive_k=True, profile=False)
+    calls = []
+    rule = engine.scheduler.choose_k
+    engine.scheduler.choose_k = lambda *a, **kw: calls.append(1) or rule(*a, **kw)
+    for a in range(10):                       # every regime judged: drafting loses
+        for b in range(1, 8):
+            engine.drafting.goodput.regimes[(a, b)] = _Regime(pays=False)
+    _speculative_batch(engine, 4, 40)
+    assert len(calls) <= 2                    # the k rule's probe only
+
+
+def test_steps_in_which_the_k_rule_declines_to_draft_are_judged_too(make_engine):
+    """The windows compare the k rule's choices against no drafting over every step in which a
+    sequence may draft, so a regime where the rule drafts nothing is judged (plain decoding
+    wins the tie) rather than left unjudged. Counting only the steps where the rule wanted to
+    draft selected which steps the capped windows held, and biased them."""
+    from engine.calibration import CalibratedCost
+    from engine.step_cost import LinearCost, LinearStepCost
+
+    engine = make_engine(adaptive_k=True, profile=False)
+    # a draft priced at 1 s a round: the k rule never wants to draft
+    engine.cost = CalibratedCost(LinearStepCost(LinearCost(1e-3, 0.0, 0.0), LinearCost(1.0, 0.0, 0.0)),
+                                 draft_excess=True)
+    engine.drafting.goodput = GoodputCheck(window_steps=4, pairs=2)
+    _speculative_batch(engine, 4, 40)
+    assert engine.drafting.goodput.verdict(engine.global_acceptance, 4) is False
