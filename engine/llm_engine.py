@@ -433,7 +433,7 @@ class LLMEngine:
             acceptance_rate=measured,
             token_acceptance=self.global_acceptance if measured is not None else None,
             speculating_acceptance=tuple(self._acceptance(q) for q in s.running if q.speculative),
-            time=time.time(), drafting_pays=self.drafting.goodput.verdict(    # the batch _choose_k judges
+            time=time.time(), drafting_pays=self.drafting.goodput.verdict(   # the batch judged
                 self.global_acceptance, sum(not q.in_prefill for q in s.running)),
             prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
             draft=str(self.draft_model.path) if self.draft_model is not None else None)
