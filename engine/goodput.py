@@ -23,12 +23,10 @@ under 1% with the defaults). A recheck that disagrees with the verdict starts th
 judgement afresh, so a change (a draft that slowed down) is followed within `pairs` pairs.
 
 Every step in which a sequence may draft counts, whatever the k rule then chose: the windows
-compare the k rule's choices against no drafting, on the same kind of steps. (Counting only
-the steps in which the rule wanted to draft biased the capped windows towards steps that carry
-a prompt's prefill, slow ones, since a draft left behind by a capped window is priced to catch
-up only where a prefill makes the step costly anyway.) The engine asks before it computes the
-k rule, so a capped window costs nothing of it. Pure Python: no torch, no clock of its own
-(the engine passes the times).
+compare the k rule's choices against no drafting on the same kind of steps, since the steps in
+which the rule wants to draft are not a fair sample (docs/decisions/0024-goodput-check.md). The
+engine asks before it computes the k rule, so a capped window costs nothing of it. Pure
+Python: no torch, no clock of its own (the engine passes the times).
 """
 
 from __future__ import annotations

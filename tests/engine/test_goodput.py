@@ -158,8 +158,8 @@ def test_a_capped_window_does_not_compute_the_k_rule(make_engine):
 def test_steps_in_which_the_k_rule_declines_to_draft_are_judged_too(make_engine):
     """The windows compare the k rule's choices against no drafting over every step in which a
     sequence may draft, so a regime where the rule drafts nothing is judged (plain decoding
-    wins the tie) rather than left unjudged. Counting only the steps where the rule wanted to
-    draft selected which steps the capped windows held, and biased them."""
+    wins the tie) rather than left unjudged. Red if only the steps in which the rule wants to
+    draft are counted."""
     from engine.calibration import CalibratedCost
     from engine.step_cost import LinearCost, LinearStepCost
 
