@@ -220,7 +220,11 @@ def run_local(args) -> int:
         print(f"specserve simulate: unknown policies {sorted(unknown)}; known: {list(POLICY_OF)}",
               file=sys.stderr)
         return 2
-    mix = _mix(given["mix"]) if given.get("mix") else REPO_MIX
+    try:
+        mix = _mix(given["mix"]) if given.get("mix") else REPO_MIX
+    except ValueError as exc:
+        print(f"specserve simulate: the bench's mix: {exc}", file=sys.stderr)
+        return 2
     if given.get("shift"):
         print(f"local-cpu: the bench's traffic shifts ({given['shift']}); this simulates its first "
               f"mix throughout", file=sys.stderr)
@@ -231,8 +235,13 @@ def run_local(args) -> int:
     # batch (else the medians over the run)
     pooled = {} if args.profile_only else bench_learnt(bench)
     learnt = {p: pooled if args.profile_only else bench_learnt(bench, p) or pooled for p in policies}
-    target, small, lengths, max_context = build(family, config, args.overhead_ms / 1000, pooled,
-                                   bench.get("served_profiles"), list(mix), given.get("prompts"))
+    try:
+        target, small, lengths, max_context = build(family, config, args.overhead_ms / 1000,
+                                                    pooled, bench.get("served_profiles"),
+                                                    list(mix), given.get("prompts"))
+    except ValueError as exc:          # e.g. a prompt class with no prompts here
+        print(f"specserve simulate: {exc}", file=sys.stderr)
+        return 2
     shape = shape.with_prompts(lengths)
     measured = {(r["policy"], r["load_kind"], r["load"]): r for r in bench.get("results", [])}
     a = args.acceptance or bench_acceptance(bench) or 0.7

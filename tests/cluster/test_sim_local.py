@@ -151,6 +151,9 @@ def test_bad_input_is_a_message_not_a_traceback(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert run_local(parser.parse_args(["--bench", str(tmp_path / "bad.json")])) == 2
     assert run_local(parser.parse_args(["--policies", "standard,fastest"])) == 2
+    for mix in ("code", "nosuchclass=1"):          # malformed; a class with no prompts here
+        (tmp_path / "mix.json").write_text(json.dumps({"args": {"mix": mix}, "results": []}))
+        assert run_local(parser.parse_args(["--bench", str(tmp_path / "mix.json")])) == 2
     for profiles in ({"target": {"kind": "table"}}, {"target": "fast"}, ["table"]):
         (tmp_path / "profile.json").write_text(json.dumps({"results": [], "served_profiles": profiles}))
         assert run_local(parser.parse_args(["--bench", str(tmp_path / "profile.json")])) == 2
