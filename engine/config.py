@@ -65,6 +65,9 @@ class EngineConfig:
     # oneDNN row plans, one file per projection shape and machine (models/cpu_linear.py);
     # None: ~/.cache/specserve/rowplans, "": built at every start, not kept
     row_plan_dir: str | None = None
+    # compiled JSON grammars, one file per regex and vocabulary (engine/grammar.py);
+    # None: ~/.cache/specserve/grammars, "": compiled at each engine's first use, not kept
+    grammar_cache_dir: str | None = None
     prior_acceptance: float = 0.7        # acceptance assumed before any is measured
     seed: int = 0
     fault_injection: bool = False        # TEST ONLY: allow inject_fault (engine/faults.py)

@@ -9,22 +9,35 @@ outlines-core's `Index` is a stateless map (state, token) -> state, so a state i
 the state at draft position j is the sequence's state advanced through the j tokens drafted
 before it, and a rejection needs no rollback (the sequence's state only ever advances through
 emitted tokens). Why outlines-core: docs/decisions/0027-grammar-library.md.
+
+Compiled indexes are also kept on disk (`cache_dir`, by default ~/.cache/specserve/grammars),
+one file per regex and vocabulary, in outlines-core's own binary form: `json_object` takes
+seconds to compile, and every engine process that serves it would compile it again at its
+first such request.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import tempfile
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # response_format {"type": "json_object"}: any JSON object (nesting up to the library's default
 # recursion depth of 3).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 MAX_CACHED_GRAMMARS = 32
 MAX_CACHED_IDS = 1 << 24      # allowed token ids kept per grammar, all states together (64 MB)
+INDEX_FORMAT = 1              # part of a kept index's key: a new layout never reads an old file
 
 
 class GrammarError(ValueError):
@@ -116,10 +129,12 @@ class GrammarCompiler:
     outlines-core releases the GIL meanwhile, so the engine's step loop runs on.
     """
 
-    def __init__(self, tokenizer, eos_token_id: int):
+    def __init__(self, tokenizer, eos_token_id: int, cache_dir: str | None = None):
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        self.cache_dir = index_dir(cache_dir)
         self._vocabulary = None
+        self._vocabulary_key = ""
         self._cache: OrderedDict[str, Grammar | Future] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -162,12 +177,70 @@ class GrammarCompiler:
         from outlines_core import Index, Vocabulary
 
         if self._vocabulary is None:        # only this worker thread builds indexes
-            self._vocabulary = Vocabulary(self.eos_token_id, token_bytes(self.tokenizer))
-        try:
-            grammar = Grammar(Index(regex, self._vocabulary), self.eos_token_id)
-        except (ValueError, TypeError) as exc:     # e.g. no token sequence can match
-            raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
+            tokens = token_bytes(self.tokenizer)
+            self._vocabulary = Vocabulary(self.eos_token_id, tokens)
+            self._vocabulary_key = vocabulary_key(tokens, self.eos_token_id)
+        path = (self.cache_dir / f"{index_key(regex, self._vocabulary_key)}.index"
+                if self.cache_dir is not None else None)
+        index = _read_index(path) if path is not None else None
+        if index is None:
+            try:
+                index = Index(regex, self._vocabulary)
+            except (ValueError, TypeError) as exc:     # e.g. no token sequence can match
+                raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
+            if path is not None:
+                _write_index(path, index)
+        grammar = Grammar(index, self.eos_token_id)
         with self._lock:
             if schema in self._cache:       # the grammar itself from now on, not its Future
                 self._cache[schema] = grammar
         return grammar
+
+
+def index_dir(setting: str | None) -> Path | None:
+    """Where compiled indexes are kept: `setting` (EngineConfig.grammar_cache_dir), by default
+    ~/.cache/specserve/grammars; "" keeps none."""
+    if setting == "":
+        return None
+    return Path(setting) if setting else Path.home() / ".cache" / "specserve" / "grammars"
+
+
+def vocabulary_key(tokens: dict[bytes, list[int]], eos_token_id: int) -> str:
+    """What an index depends on besides its regex: every token's bytes and ids, and eos."""
+    digest = hashlib.sha256(str(eos_token_id).encode())
+    for raw, ids in sorted(tokens.items()):
+        digest.update(len(raw).to_bytes(4, "little") + raw + str(sorted(ids)).encode())
+    return digest.hexdigest()
+
+
+def index_key(regex: str, vocabulary: str) -> str:
+    from importlib.metadata import version
+
+    parts = [str(INDEX_FORMAT), version("outlines-core"), vocabulary, regex]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _read_index(path: Path):
+    """The index kept at `path`, or None (none kept, or one that does not load: rebuilt)."""
+    from outlines_core import Index
+
+    try:
+        return Index.from_binary(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning("compiled grammar %s does not load (%s); compiling it again", path, exc)
+        return None
+
+
+def _write_index(path: Path, index) -> None:
+    """Keep `index` at `path`, whole or not at all (another engine may read it meanwhile)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = index.__reduce__()[1][0]        # outlines-core's binary form (`from_binary`)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:         # a read-only home: the engine serves on, compiling each time
+        logger.warning("could not keep the compiled grammar at %s: %s", path, exc)

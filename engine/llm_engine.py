@@ -109,7 +109,7 @@ class LLMEngine:
         self.draft_swaps = 0
         self.detok: dict[str, Detokenizer] = {}
         self.processors = Processors(self.tokenizer, self.target_model.vocab_size,
-                                     self.target_model.eos_token_ids)
+                                     self.target_model.eos_token_ids, config.grammar_cache_dir)
 
     def _planned_kv_budget(self) -> int:
         """The KV budget from device memory (engine/memory.py): measured and planned on a GPU,

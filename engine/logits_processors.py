@@ -125,10 +125,11 @@ class Processors:
     """The engine's factory of `RequestProcessor`s: checks a request's processing against the
     served vocabulary and compiles its grammar with the served tokenizer."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids,
+                 grammar_cache_dir: str | None = None):
         self.vocab_size = vocab_size
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos_token_ids)
-        self.grammars = GrammarCompiler(tokenizer, eos)
+        self.grammars = GrammarCompiler(tokenizer, eos, grammar_cache_dir)
         self.compiling: list = []       # sequences admitted once their grammar is compiled
 
     def build(self, params, num_prompt: int) -> RequestProcessor | None:

@@ -129,8 +129,9 @@ def test_a_schema_compiles_while_other_requests_step(make_engine):
     """`json_object` takes seconds to compile: the engine steps its other requests meanwhile and
     schedules the request once its grammar is ready; one aborted while compiling never runs.
     Red when the compile runs in `add_request` (the first step would find the request
-    scheduled), or when an aborted request is scheduled once its grammar is ready."""
-    engine = make_engine(adaptive_k=False)
+    scheduled), or when an aborted request is scheduled once its grammar is ready. The engine
+    keeps no compiled grammar on disk here, so its compile is a real one."""
+    engine = make_engine(adaptive_k=False, grammar_cache_dir="")
     scheduled, add = [], engine.scheduler.add
     engine.scheduler.add = lambda seq: (scheduled.append(seq.request_id), add(seq))
     engine.add_request("plain", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8,
