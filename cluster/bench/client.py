@@ -15,6 +15,7 @@ Owns HTTP, SSE parsing and timing; the statistics are `cluster/bench/stats.py`'s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -24,6 +25,7 @@ import httpx
 
 from cluster.bench.stats import RequestRecord
 
+_REQUEST_NUMBERS = itertools.count(1)      # the unique opening of synthetic prompts (`draw`)
 POLICIES = {
     "standard": ("/standard/v1", {}),
     "premium": ("/premium/v1", {}),
@@ -143,7 +145,12 @@ class Workload:
         return classes, [mix[c] for c in classes]
 
     def draw(self) -> Prompt:
-        from cluster.bench.synthetic import OUTPUT_SCALE
+        """The next request. A synthetic class's prompt (`cluster/bench/synthetic.py`) opens
+        with a number no other request of the process has, so that no request finds another's
+        prompt in the prefix cache: a stock client's synthetic prompts are each new, and the
+        same text in every policy's windows would let a later window reuse an earlier one's
+        prefill."""
+        from cluster.bench.synthetic import OUTPUT_SCALE, SYNTHETIC
 
         now = time.monotonic()
         self.first = now if self.first is None else self.first
@@ -152,8 +159,10 @@ class Workload:
             classes, weights = self.shift[1], self.shift[2]
         cls = self.rng.choices(classes, weights)[0]
         tokens = self.rng.randint(self.low, self.high)
-        return Prompt(cls, self.rng.choice(self.prompts[cls]),
-                      max(1, round(tokens * OUTPUT_SCALE.get(cls, 1.0))))
+        text = self.rng.choice(self.prompts[cls])
+        if cls in SYNTHETIC:
+            text = f"{next(_REQUEST_NUMBERS)}: {text}"
+        return Prompt(cls, text, max(1, round(tokens * OUTPUT_SCALE.get(cls, 1.0))))
 
 
 async def closed_loop(issue, users: int, stop_at: float, think_s: float, rng: random.Random,

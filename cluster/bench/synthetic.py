@@ -4,7 +4,9 @@
   (guidellm's `prompt_tokens=64`): nothing a draft distilled on code or prose has seen.
 - `long`: long prompts (about 600 words of the repo's prose and code, shuffled) with short
   answers (an eighth of the mean output): prefill-heavy traffic where a draft has little to do.
-Each is drawn from a seeded generator, so a run's prompts are the same for every policy.
+Each is drawn from a seeded generator, so a run's prompts are the same for every policy, and
+each request's opens with a number of its own (`cluster/bench/client.py: Workload.draw`), so
+that none is served from another's prefix cache.
 """
 
 from __future__ import annotations

@@ -170,7 +170,9 @@ def test_a_windows_serving_times_are_the_differences_of_its_first_and_last_readi
 def test_bench_serve_draws_traffic_the_repo_did_not_write():
     """`--mix random=1,long=1`: random-word prompts of 48 words, and long prompts (600 words and
     more, from the repo's prompts) whose answers are an eighth of the mean; the same draws for
-    every policy of a repeat (a seeded workload)."""
+    every policy of a repeat (a seeded workload), each opening with a number no other request
+    has, so none finds another's prompt in the prefix cache (red without it: 200 draws from 64
+    long prompts repeat, and a repeat's second policy would reuse the first one's prefill)."""
     from cluster.bench.client import Workload
     from cluster.bench.serve import PROMPTS_DIR, load_prompts
 
@@ -180,13 +182,20 @@ def test_bench_serve_draws_traffic_the_repo_did_not_write():
     written = {p for ps in load_prompts(PROMPTS_DIR, ["code", "prose", "chat"]).values() for p in ps}
     assert not set(prompts["random"]) & written
     draws = [Workload(prompts, {"random": 1, "long": 1}, 64, 0.0, seed=3).draw() for _ in range(2)]
-    assert draws[0] == draws[1]
+    bodies = [d.text.split(": ", 1) for d in draws]
+    assert (draws[0].prompt_class, draws[0].max_tokens) == (draws[1].prompt_class,
+                                                           draws[1].max_tokens)
+    assert bodies[0][1] == bodies[1][1] and bodies[0][0] != bodies[1][0]
     w = Workload(prompts, {"random": 1, "long": 1}, 64, 0.0, seed=3)
-    lengths = {}
+    lengths, openings = {}, set()
     for _ in range(200):
         p = w.draw()
         lengths.setdefault(p.prompt_class, set()).add(p.max_tokens)
+        openings.add(p.text[:64])
     assert lengths == {"random": {64}, "long": {8}}
+    assert len(openings) == 200
+    code = Workload(prompts, {"code": 1}, 64, 0.0, seed=3).draw().text
+    assert code in prompts["code"]                # the repo's own prompts are sent as written
     with pytest.raises(ValueError, match="no prompts for class 'nope'"):
         load_prompts(PROMPTS_DIR, ["nope"])
 
