@@ -209,18 +209,21 @@ def catch_up_prices(cost: StepCostModel, acceptance: Sequence[float],
     """`choose_k`'s catch_up_s as the engine prices it (None when no draft is behind).
 
     A draft behind its sequence (never run: the whole context; stopped: what it skipped) feeds
-    those tokens once before it proposes: priced at the draft's cost a fed token at this batch,
-    spread over the steps the sequence has left to pay it back in (its tokens left at about
-    1 + a a step; None: many), at most PAYBACK_STEPS (the estimate that says drafting pays is
-    a noisy one near break-even; docs/decisions/0009-k-rule.md).
+    those tokens once before it proposes, in its first round: priced as what they add to that
+    round at this batch (the draft's cost of b + n tokens less that of b), spread over the
+    steps the sequence has left to pay it back in (its tokens left at about 1 + a a step;
+    None: many), at most PAYBACK_STEPS (the estimate that says drafting pays is a noisy one
+    near break-even; docs/decisions/0009-k-rule.md). The round's own price of its tokens, not
+    the cost of one more token a sequence: that one sits where a step is bound by reading
+    weights, and priced there a long prompt's catch-up looked nearly free.
     """
     if not any(catch_up_tokens):
         return None
     b = len(acceptance)
-    per_token = max(0.0, cost.draft_s(b, 2 * b, context_tokens)
-                    - cost.draft_s(b, b, context_tokens)) / b
+    base = cost.draft_s(b, b, context_tokens)
     tokens_left = tokens_left or [2 * PAYBACK_STEPS] * b
-    return [n * per_token / min(PAYBACK_STEPS, max(1.0, t / (1.0 + a)))
+    return [(max(0.0, cost.draft_s(b, b + n, context_tokens) - base) if n else 0.0)
+            / min(PAYBACK_STEPS, max(1.0, t / (1.0 + a)))
             for n, t, a in zip(catch_up_tokens, tokens_left, acceptance)]
 
 

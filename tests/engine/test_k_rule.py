@@ -303,3 +303,26 @@ def test_an_engine_that_stopped_drafting_probes_and_learns_the_drafts_price(make
         engine.step()
     assert drafted.count(True) == 1 and len(drafted) > PROBE_EVERY
     assert engine.cost.spec_scale == pytest.approx(CAL_SCALE_RANGE[0])
+
+
+def test_a_long_catch_up_is_priced_as_the_round_that_feeds_it():
+    """A draft that must first feed a 1,200-token prompt, on a table whose first tokens a
+    sequence cost nearly nothing (bound by reading weights) and whose later ones cost compute:
+    the catch-up is priced at what those tokens add to the draft's round, and a sequence with
+    eight tokens left does not draft. Red when it is priced at the cost of one more token a
+    sequence (the flat part of the table: 1,200 of them looked nearly free)."""
+    from engine.k_rule import catch_up_prices, engine_choose_k
+    from engine.step_cost import TableCost, TableStepCost
+
+    def table(flat_s, per_token_s):
+        return TableCost({n: [(1.0, flat_s), (2.0, flat_s * 1.01), (8.0, flat_s + 6 * n * per_token_s)]
+                          for n in (1, 2, 4, 8, 16)})
+    cost = TableStepCost(table(0.010, 0.0008), table(0.002, 0.0002))
+    b, prompt = 4, 1200
+    prices = catch_up_prices(cost, [0.8] * b, [prompt] * b, [8] * b, 0)
+    fed = cost.draft_s(b, b + prompt) - cost.draft_s(b, b)
+    assert prices == pytest.approx([fed / (8 / 1.8)] * b)
+    assert prices[0] > 0.05           # a tenth of a second, not the flat part's 1 ms
+    assert engine_choose_k([0.8] * b, [4] * b, cost, 0, 0, prices) == [0] * b
+    on_time = catch_up_prices(cost, [0.8] * b, [2] * b, [400] * b, 0)
+    assert all(engine_choose_k([0.8] * b, [4] * b, cost, 0, 0, on_time))
