@@ -157,9 +157,11 @@ def test_a_capped_window_does_not_compute_the_k_rule(make_engine):
 
 def test_steps_in_which_the_k_rule_declines_to_draft_are_judged_too(make_engine):
     """The windows compare the k rule's choices against no drafting over every step in which a
-    sequence may draft, so a regime where the rule drafts nothing is judged (plain decoding
-    wins the tie) rather than left unjudged. Red if only the steps in which the rule wants to
-    draft are counted."""
+    sequence may draft, so a regime where the rule drafts nothing is judged rather than left
+    unjudged. Red if only the steps in which the rule wants to draft are counted. Both kinds of
+    window then run the same plain steps, so which way the verdict falls is the clock's noise
+    (the check cannot tell a tie from a 5% gain in four 1 ms steps): only that it is reached is
+    asserted."""
     from engine.calibration import CalibratedCost
     from engine.step_cost import LinearCost, LinearStepCost
 
@@ -169,4 +171,5 @@ def test_steps_in_which_the_k_rule_declines_to_draft_are_judged_too(make_engine)
                                  draft_excess=True)
     engine.drafting.goodput = GoodputCheck(window_steps=4, pairs=2)
     _speculative_batch(engine, 4, 40)
-    assert engine.drafting.goodput.verdict(engine.global_acceptance, 4) is False
+    assert engine.metrics.data.num_drafts == 0
+    assert engine.drafting.goodput.verdict(engine.global_acceptance, 4) is not None
