@@ -215,15 +215,17 @@ def catch_up_prices(cost: StepCostModel, acceptance: Sequence[float],
     None: many), at most PAYBACK_STEPS (the estimate that says drafting pays is a noisy one
     near break-even; docs/decisions/0009-k-rule.md). The round's own price of its tokens, not
     the cost of one more token a sequence: that one sits where a step is bound by reading
-    weights, and priced there a long prompt's catch-up looked nearly free.
+    weights, and priced there a long prompt's catch-up would look nearly free. Each distinct
+    catch-up is priced once (most drafts are on time, at 0).
     """
     if not any(catch_up_tokens):
         return None
     b = len(acceptance)
     base = cost.draft_s(b, b, context_tokens)
+    fed = {n: max(0.0, cost.draft_s(b, b + n, context_tokens) - base) if n else 0.0
+           for n in set(catch_up_tokens)}
     tokens_left = tokens_left or [2 * PAYBACK_STEPS] * b
-    return [(max(0.0, cost.draft_s(b, b + n, context_tokens) - base) if n else 0.0)
-            / min(PAYBACK_STEPS, max(1.0, t / (1.0 + a)))
+    return [fed[n] / min(PAYBACK_STEPS, max(1.0, t / (1.0 + a)))
             for n, t, a in zip(catch_up_tokens, tokens_left, acceptance)]
 
 

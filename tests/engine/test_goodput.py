@@ -131,8 +131,6 @@ def test_the_engine_stops_drafting_where_a_hidden_cost_makes_it_lose(make_engine
 
 
 def _speculative_batch(engine, n: int, steps: int, tokens: int = 400) -> None:
-    from engine.sampling_params import RequestOptions, SamplingParams
-
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"s{i}", [5, 7, 9, 11 + i], params, RequestOptions("speculative", k_max=3))
