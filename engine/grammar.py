@@ -38,6 +38,8 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 MAX_CACHED_GRAMMARS = 32
 MAX_CACHED_IDS = 1 << 24      # allowed token ids kept per grammar, all states together (64 MB)
 INDEX_FORMAT = 1              # part of a kept index's key: a new layout never reads an old file
+MAX_KEPT_INDEXES = 64         # files kept on disk; the least recently used go first (callers'
+                              # schemas are many, and each would otherwise stay for good)
 
 
 class GrammarError(ValueError):
@@ -225,7 +227,9 @@ def _read_index(path: Path):
     from outlines_core import Index
 
     try:
-        return Index.from_binary(path.read_bytes())
+        index = Index.from_binary(path.read_bytes())
+        os.utime(path)                  # used now: the last to be evicted (`_write_index`)
+        return index
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
@@ -242,5 +246,15 @@ def _write_index(path: Path, index) -> None:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
         os.replace(tmp, path)
+        kept = sorted(path.parent.glob("*.index"), key=_mtime)
+        for old in kept[:max(0, len(kept) - MAX_KEPT_INDEXES)]:
+            old.unlink(missing_ok=True)
     except OSError as exc:         # a read-only home: the engine serves on, compiling each time
         logger.warning("could not keep the compiled grammar at %s: %s", path, exc)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:                 # removed by another engine meanwhile
+        return 0.0

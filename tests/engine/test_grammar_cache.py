@@ -74,3 +74,23 @@ def test_by_default_indexes_are_kept_under_home_and_empty_keeps_none(tokenizer, 
     assert not (tmp_path / ".cache").exists()
     GrammarCompiler(tokenizer, eos).compile(BOOLEAN)
     assert len(_kept(tmp_path / ".cache" / "specserve" / "grammars")) == 1
+
+
+def test_only_the_most_recently_used_indexes_are_kept(tokenizer, tmp_path, monkeypatch):
+    """Callers' schemas are many: past MAX_KEPT_INDEXES files the least recently used goes, and
+    reading an index counts as using it. Red without the eviction (three files stay)."""
+    import os
+
+    import engine.grammar as grammar
+
+    monkeypatch.setattr(grammar, "MAX_KEPT_INDEXES", 2)
+    eos = tokenizer.eos_token_id
+    GrammarCompiler(tokenizer, eos, str(tmp_path)).compile(BOOLEAN)
+    [boolean] = _kept(tmp_path)
+    GrammarCompiler(tokenizer, eos, str(tmp_path)).compile(INTEGER)
+    for i, path in enumerate(sorted(_kept(tmp_path), key=lambda p: p != boolean)):
+        os.utime(path, (1000 + i, 1000 + i))          # boolean's the older file
+    GrammarCompiler(tokenizer, eos, str(tmp_path)).compile(BOOLEAN)   # read: used now
+    GrammarCompiler(tokenizer, eos, str(tmp_path)).compile('{"type": "string"}')
+    kept = _kept(tmp_path)
+    assert len(kept) == 2 and boolean in kept         # the integer index went
