@@ -31,9 +31,11 @@ draft it ran with and one that saw a swap counts for neither.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -49,6 +51,7 @@ from router.wire import TierError
 
 logger = logging.getLogger("ray.serve")
 HISTORY = "history.jsonl"
+CYCLE_S = 2.0           # a throttled round runs cpu_share of each cycle, stopped the rest
 
 
 def read_history(folder: str | Path) -> list[dict]:
@@ -62,6 +65,32 @@ def _figures(classes: dict[str, ClassLive]) -> dict:
     return {name: {"acceptance": round(c.acceptance, 4), "requests": c.requests,
                    "goodput": None if c.goodput is None else round(c.goodput, 2)}
             for name, c in sorted(classes.items())}
+
+
+def _round_child(niceness: int) -> None:
+    """In the round's process before it runs: lower its priority, and have the kernel kill it
+    when the loop's process dies (a round stopped by the throttle would otherwise stay stopped,
+    holding its memory, with no one to resume it)."""
+    os.nice(niceness)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
+
+
+async def throttle(pgid: int, share: float, cycle_s: float = CYCLE_S) -> None:
+    """Let process group `pgid` run `share` of each `cycle_s` and stop it (SIGSTOP) the rest,
+    until the group is gone or this task is cancelled; the group is left running. On shared CPU
+    cores a process niced 19 still takes the cycles serving leaves and slows it by a third; a
+    stopped one takes none (docs/decisions/0033-alignment-loop.md)."""
+    try:
+        while True:
+            await asyncio.sleep(share * cycle_s)
+            os.killpg(pgid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep((1 - share) * cycle_s)
+            finally:
+                os.killpg(pgid, signal.SIGCONT)
+    except ProcessLookupError:
+        return
 
 
 class Loop:
@@ -82,6 +111,8 @@ class Loop:
         self.first_below: dict[str, float] = {}
         self.round = sum(r["event"] == "trigger" for r in read_history(self.dir))
         self.proc = None
+        self.throttling: asyncio.Task | None = None
+        self.focus: str | None = None         # the class the round is asked to lift
         self.candidate: str | None = None
         self.since = 0.0                      # the canary's or the promotion's start
         self.on_candidate = False
@@ -157,24 +188,39 @@ class Loop:
         name = decision.prompt_class
         self.record("trigger", reason=decision.reason, prompt_class=name,
                     live=_figures(live), captured=captured)
+        self.focus = name
         await self._start_round()
+
+    def round_command(self, out: Path) -> list[str]:
+        """`specserve draft distill` for a round into `out`: a throttled round's minutes of
+        compute are minutes / cpu_share of wall time."""
+        r = self.section.round
+        return [sys.executable, "-m", "cluster", "draft", "distill", "--target",
+                self.target_model, "--draft", self.serving, "--from-buffer",
+                str(Path(self.capture_dir).expanduser()), "--out", str(out), "--threads",
+                str(r.threads), "--temperature", r.temperature, "--replay", str(r.replay),
+                "--new-tokens", str(r.new_tokens),
+                *(["--steps", str(r.steps)] if r.steps
+                  else ["--minutes", str(round(r.minutes / r.cpu_share, 3))]),
+                *(["--max-prompts", str(r.max_prompts)] if r.max_prompts else []),
+                *(["--focus", self.focus] if self.focus else []),
+                *(["--guard-prompts", r.guard_prompts] if r.guard_prompts else []),
+                *r.extra_args]
 
     async def _start_round(self) -> None:
         r = self.section.round
         out = self.dir / f"round-{self.round:03d}"
         out.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "cluster", "draft", "distill", "--target", self.target_model,
-               "--draft", self.serving, "--from-buffer", str(Path(self.capture_dir).expanduser()),
-               "--out", str(out), "--threads", str(r.threads), "--temperature", r.temperature,
-               "--replay", str(r.replay), "--new-tokens", str(r.new_tokens),
-               *(["--steps", str(r.steps)] if r.steps else ["--minutes", str(r.minutes)]),
-               *(["--guard-prompts", r.guard_prompts] if r.guard_prompts else []), *r.extra_args]
+        cmd = self.round_command(out)
         env = {**os.environ, "OMP_NUM_THREADS": str(r.threads)}
         log = (out / "round.log").open("ab")
         self.proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env,
-            preexec_fn=lambda: os.nice(r.niceness))
+            *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=lambda: _round_child(r.niceness))
         log.close()
+        if r.cpu_share < 1:
+            self.throttling = asyncio.get_running_loop().create_task(
+                throttle(self.proc.pid, r.cpu_share, CYCLE_S))
         self.candidate, self.state = str(out), "distilling"
         self.started = time.time()
 
@@ -182,6 +228,9 @@ class Loop:
         if self.proc.returncode is None:
             return
         rc, self.proc = self.proc.returncode, None
+        if self.throttling is not None:
+            self.throttling.cancel()
+            self.throttling = None
         report_file = Path(self.candidate) / "distill.json"
         heldout = (json.loads(report_file.read_text()).get("heldout", {}).get("delta")
                    if report_file.exists() else None)

@@ -130,3 +130,33 @@ def read_prompts(path: str | Path) -> list[dict]:
     if not rows:
         raise ValueError(f"no prompts in {path}")
     return rows
+
+
+def select_prompts(rows: list[dict], max_prompts: int | None, focus: str | None = None,
+                   focus_share: float = 0.5) -> list[dict]:
+    """At most `max_prompts` distinct prompts of `rows` (oldest first), the newest kept: the
+    `focus` class (the one a round is asked to lift) takes `focus_share` of them, the other
+    classes share the rest evenly, so the round keeps their agreement too; a share one side
+    cannot fill goes to the other. Duplicates are dropped first: at temperature 0 a prompt's
+    continuation is the same each time."""
+    seen, newest = set(), []
+    for row in reversed(rows):
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            newest.append(row)
+    if max_prompts is None or len(newest) <= max_prompts:
+        return newest[::-1]
+    by_class: dict[str, list[dict]] = {}
+    for row in newest:
+        by_class.setdefault(row["class"], []).append(row)
+    quota = {name: 0 for name in by_class}
+    if focus in quota:
+        quota[focus] = min(len(by_class[focus]), round(max_prompts * focus_share))
+    while sum(quota.values()) < max_prompts:        # round-robin over the classes with room
+        room = [n for n in sorted(by_class) if n != focus and quota[n] < len(by_class[n])]
+        if not room:
+            room = [n for n in by_class if quota[n] < len(by_class[n])]
+        for name in room[:max_prompts - sum(quota.values())]:
+            quota[name] += 1
+    kept = {id(r) for name, q in quota.items() for r in by_class[name][:q]}
+    return [r for r in newest[::-1] if id(r) in kept]

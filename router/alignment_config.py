@@ -17,8 +17,16 @@ class DistillRound(BaseModel):
     niceness: int = Field(19, ge=0, le=19, description="how far below the loop's own CPU "
                           "priority the round's process runs (19: the lowest, so serving keeps "
                           "its cores)")
+    cpu_share: float = Field(1.0, gt=0, le=1, description="share of the time the round's "
+                             "process runs: the loop stops it (SIGSTOP) for the rest of each "
+                             "2 s cycle, and gives it minutes / cpu_share of wall time, so the "
+                             "round's compute is the same and serving on shared cores keeps "
+                             "its throughput (1: never stopped; a GPU of its own)")
     temperature: str = Field("1.0", description="served temperature(s), comma-separated")
     replay: int = Field(200, ge=0, description="general-code prompts replayed beside the class")
+    max_prompts: int | None = Field(600, ge=1, description="distinct captured prompts a round "
+                                    "takes, the newest: half of the class that triggered it, "
+                                    "the rest shared by the other classes (null: all)")
     guard_prompts: str | None = Field(None, description="JSONL prompts of other traffic, scored "
                                       "before and after; a drop there refuses the draft")
     new_tokens: int = Field(64, ge=1)

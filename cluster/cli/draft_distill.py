@@ -34,6 +34,10 @@ def add_arguments(p) -> None:
                         "the draft keeps its agreement on general code while distilled on the rest")
     p.add_argument("--guard-prompts", help="JSONL prompts of other traffic the draft serves: never "
                    "trained on, scored before and after; `draft swap` refuses a drop there too")
+    p.add_argument("--max-prompts", type=_at_least_one, default=None, metavar="N",
+                   help="distinct prompts kept, the newest (a capture buffer may hold thousands)")
+    p.add_argument("--focus", metavar="CLASS", help="with --max-prompts: the class to lift "
+                   "takes half of them, the other classes share the rest")
     p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt")
     p.add_argument("--samples", type=int, default=1, help="target continuations per prompt")
     p.add_argument("--heldout", type=_fraction, default=0.15, help="fraction of prompts held out per class")
@@ -95,6 +99,13 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _at_least_one(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text!r}")
+    return value
+
+
 def generate(target: str, prompts: list[list[int]], new_tokens: int, temperature: float,
              seed: int, threads: int, log=print, max_num_seqs: int = 32) -> list[list[int]]:
     """The target's continuation of every prompt, through the engine (baseline mode, batched)."""
@@ -128,7 +139,7 @@ def prepare_data(args, source: str, name: str = "data.pt", log=print):
     each; one at temperature 0, where they would all be the same), cached in OUT/`name`."""
     from engine.sampling_params import GREEDY_BELOW
     from models.distill import DistillData, at_temperature
-    from models.distill_prompts import read_prompts
+    from models.distill_prompts import read_prompts, select_prompts
     from models.loader import load_tokenizer
 
     out = Path(args.out)
@@ -136,6 +147,8 @@ def prepare_data(args, source: str, name: str = "data.pt", log=print):
     if cache.exists():
         return DistillData.load(cache)
     rows = read_prompts(source)
+    if name == "data.pt":
+        rows = select_prompts(rows, args.max_prompts, args.focus)
     if name == "data.pt" and args.replay:
         from models.distill_prompts import replay_prompts
 

@@ -1,16 +1,20 @@
 """The alignment loop's state after a round ends (deployments/alignment_loop.py), without Ray."""
 
 import asyncio
+import os
+import sys
 import types
+from pathlib import Path
 
+from deployments import alignment_loop
 from deployments.alignment_loop import Loop, read_history
 from router.config import AppConfig
 
 
-def _loop(tmp_path) -> Loop:
+def _loop(tmp_path, **round_) -> Loop:
     cfg = AppConfig.model_validate({
         "target": {"model": str(tmp_path / "target"), "draft": str(tmp_path / "draft")},
-        "alignment": {"enabled": True, "dir": str(tmp_path / "alignment")},
+        "alignment": {"enabled": True, "dir": str(tmp_path / "alignment"), "round": round_},
         "capture": {"dir": str(tmp_path / "capture")}})
     return Loop(cfg, "specserve", target=None, ingress=None)
 
@@ -47,3 +51,83 @@ def test_an_operator_canary_of_a_folder_that_is_no_checkpoint_is_refused(tmp_pat
     with pytest.raises(TierError, match="no config.json") as err:
         asyncio.run(loop.canary(str(tmp_path / "missing"), force=True))
     assert err.value.status == 400 and loop.state == "idle" and read_history(loop.dir) == []
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_throttled_round_runs_its_share_of_each_cycle_and_is_never_left_stopped(
+        tmp_path, monkeypatch):
+    """`round.cpu_share` below 1: the round's process runs in a process group of its own (the
+    loop's is never stopped), is stopped the rest of each cycle, gets its minutes of compute as
+    minutes / share of wall time, and runs again once the throttle ends. The round distils the
+    newest captured prompts, half of them of the class that triggered it."""
+    loop = _loop(tmp_path, cpu_share=0.25, minutes=10)
+    loop.serving, loop.focus = str(tmp_path / "draft"), "creative"
+    cmd = loop.round_command(tmp_path / "out")
+    assert cmd[cmd.index("--minutes") + 1] == "40.0"
+    assert cmd[cmd.index("--max-prompts") + 1] == "600" and cmd[cmd.index("--focus") + 1] == \
+        "creative"                      # the class that triggered the round takes half
+    monkeypatch.setattr(alignment_loop, "CYCLE_S", 0.2)
+    monkeypatch.setattr(loop, "round_command",
+                        lambda out: [sys.executable, "-c", "while True: pass"])
+
+    async def run() -> tuple[list[str], str]:
+        await loop._start_round()
+        pid = loop.proc.pid
+        try:
+            assert os.getpgid(pid) == pid != os.getpgid(0)
+            states = []
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                states.append(_state(pid))
+            while _state(pid) != "T":           # cancelled while the process is stopped
+                await asyncio.sleep(0.005)
+            loop.throttling.cancel()
+            await asyncio.sleep(0.05)
+            after = _state(pid)
+        finally:
+            loop.proc.kill()
+            await loop.proc.wait()
+        await loop._distilling(0.0)
+        assert loop.throttling is None
+        return states, after
+
+    states, after = asyncio.run(run())
+    stopped = states.count("T") / len(states)
+    assert 0.5 <= stopped <= 0.95, states
+    assert after != "T"
+
+
+def test_a_round_dies_with_the_loops_process(tmp_path):
+    """A round outliving its loop (the replica killed) would run, or with the throttle stay
+    stopped, with no one to read or resume it: the kernel kills it with its parent."""
+    import subprocess
+    import textwrap
+    import time
+
+    script = textwrap.dedent(f"""
+        import asyncio, os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_alignment_loop_states import _loop
+        loop = _loop(__import__("pathlib").Path({str(tmp_path)!r}), cpu_share=0.5)
+        loop.serving = "draft"
+        loop.round_command = lambda out: [sys.executable, "-c", "import time; time.sleep(60)"]
+        async def main():
+            await loop._start_round()
+            print(loop.proc.pid, flush=True)
+        asyncio.run(main())
+        os._exit(0)
+    """)
+    parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).parents[2])
+    assert parent.returncode == 0, parent.stderr[-2000:]
+    child = int(parent.stdout.split()[-1])
+    deadline = time.time() + 10
+    while Path(f"/proc/{child}").exists() and _state(child) != "Z" and time.time() < deadline:
+        time.sleep(0.05)
+    alive = Path(f"/proc/{child}").exists() and _state(child) != "Z"
+    if alive:
+        os.kill(child, 9)
+    assert not alive

@@ -130,3 +130,16 @@ def test_a_round_niceness_outside_0_to_19_is_refused(niceness):
     assert AlignmentSection().round.niceness == 19
     with pytest.raises(ValidationError, match="niceness"):
         AlignmentSection(round={"niceness": niceness})
+
+
+@pytest.mark.parametrize("share", [0, -0.5, 1.5])
+def test_a_round_cpu_share_outside_0_to_1_is_refused(share):
+    """`round.cpu_share` is the share of each cycle the round runs: 0 would never finish, above
+    1 means nothing."""
+    from pydantic import ValidationError
+
+    from router.alignment_config import AlignmentSection
+
+    assert AlignmentSection().round.cpu_share == 1.0
+    with pytest.raises(ValidationError, match="cpu_share"):
+        AlignmentSection(round={"cpu_share": share})

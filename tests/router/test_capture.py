@@ -48,3 +48,34 @@ def test_a_broken_disk_does_not_fail_the_request(tmp_path):
     blocker.write_text("not a folder")
     buf = CaptureBuffer(CaptureConfig(enabled=True, plans=["auto"], dir=str(blocker)))
     assert buf.offer("auto", "hello", "chat", ACC) is False
+
+
+def _rows(counts: dict[str, int]) -> list[dict]:
+    return [{"prompt": f"{name} {i}", "class": name} for name, n in counts.items() for i in range(n)]
+
+
+def test_a_round_takes_half_its_prompts_from_the_class_to_lift_and_the_newest():
+    """`draft distill --max-prompts N --focus C` (what the alignment loop passes): C takes half,
+    the other classes share the rest evenly, the newest of each kept, oldest first as read."""
+    from models.distill_prompts import select_prompts
+
+    rows = _rows({"code": 500, "chat": 300, "creative": 400})
+    kept = select_prompts(rows, 200, "creative")
+    counts = {n: sum(r["class"] == n for r in kept) for n in ("code", "chat", "creative")}
+    assert counts == {"code": 50, "chat": 50, "creative": 100}
+    assert [r["prompt"] for r in kept if r["class"] == "creative"] == \
+        [f"creative {i}" for i in range(300, 400)]
+    assert kept == [r for r in rows if r in kept]                  # order as read
+    # a side that cannot fill its share leaves it to the other
+    few = select_prompts(_rows({"code": 500, "creative": 30}), 200, "creative")
+    assert sum(r["class"] == "creative" for r in few) == 30 and len(few) == 200
+    lone = select_prompts(_rows({"code": 10, "creative": 500}), 200, "creative")
+    assert sum(r["class"] == "code" for r in lone) == 10 and len(lone) == 200
+
+
+def test_a_round_drops_repeated_prompts_and_keeps_all_under_the_cap():
+    from models.distill_prompts import select_prompts
+
+    rows = _rows({"code": 3}) * 4
+    assert select_prompts(rows, None) == _rows({"code": 3})
+    assert select_prompts(rows, 2, "code") == _rows({"code": 3})[1:]
