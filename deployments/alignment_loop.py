@@ -67,13 +67,17 @@ def _figures(classes: dict[str, ClassLive]) -> dict:
             for name, c in sorted(classes.items())}
 
 
+# looked up here, not in the forked child: dlopen there could wait on a lock another thread held
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+
+
 def _round_child(niceness: int) -> None:
     """In the round's process before it runs: lower its priority, and have the kernel kill it
     when the loop's process dies (a round stopped by the throttle would otherwise stay stopped,
     holding its memory, with no one to resume it)."""
     os.nice(niceness)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)                           # PR_SET_PDEATHSIG
 
 
 async def throttle(pgid: int, share: float, cycle_s: float = CYCLE_S) -> None:
