@@ -83,8 +83,8 @@ def _round_child(niceness: int) -> None:
 async def throttle(pgid: int, share: float, cycle_s: float = CYCLE_S) -> None:
     """Let process group `pgid` run `share` of each `cycle_s` and stop it (SIGSTOP) the rest,
     until the group is gone or this task is cancelled; the group is left running. On shared CPU
-    cores a process niced 19 still takes the cycles serving leaves and slows it by a third; a
-    stopped one takes none (docs/decisions/0033-alignment-loop.md)."""
+    cores a niced process still takes the cycles serving leaves and slows it; a stopped one
+    takes none (docs/decisions/0033-alignment-loop.md)."""
     try:
         while True:
             await asyncio.sleep(share * cycle_s)

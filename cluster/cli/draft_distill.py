@@ -149,10 +149,10 @@ def prepare_data(args, source: str, name: str = "data.pt", log=print):
     rows = read_prompts(source)
     if name == "data.pt":
         rows = select_prompts(rows, args.max_prompts, args.focus)
-    if name == "data.pt" and args.replay:
-        from models.distill_prompts import replay_prompts
+        if args.replay:
+            from models.distill_prompts import replay_prompts
 
-        rows += replay_prompts(args.replay, args.seed)
+            rows += replay_prompts(args.replay, args.seed)
     tok = load_tokenizer(args.target)
     ids = [tok(r["prompt"])["input_ids"][-args.max_prompt_tokens:] for r in rows]
     keep = [i for i, x in enumerate(ids) if x]
@@ -178,6 +178,10 @@ def run(args) -> int:
     from models.distill_train import run_distill
     from models.loader import ModelLoadError
 
+    if args.focus and not args.max_prompts:
+        print("specserve draft distill: --focus needs --max-prompts (the focus takes half of "
+              "them)", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     try:
         config = default_ds_config(args.batch_size, args.lr)

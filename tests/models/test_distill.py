@@ -402,3 +402,13 @@ def test_an_unknown_objective_is_refused_before_any_model_loads(tmp_path, kwargs
     with pytest.raises(ValueError, match="divergence|on_policy"):
         run_distill(tmp_path / "no-target", tmp_path / "no-draft", data, tmp_path / "out", steps=1, **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_focus_without_a_cap_is_refused_before_anything_runs(tiny_family, prompts, tmp_path,
+                                                                capsys):
+    """`--focus` only splits `--max-prompts`; alone it would be ignored without a word."""
+    code = main(["draft", "distill", "--target", str(tiny_family["target"]), "--draft",
+                 str(tiny_family["draft"]), "--prompts", str(prompts), "--out",
+                 str(tmp_path / "o"), "--steps", "1", "--focus", "code"])
+    assert code == 2 and "--focus needs --max-prompts" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
