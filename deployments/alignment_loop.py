@@ -9,9 +9,10 @@ acts by the rules of router/alignment.py. Its states:
   idle       | the serving draft's acceptance per class over | `trigger` says distil: a round
              | its last `min_requests` requests, how long    | starts (-> distilling)
              | each class has stayed below, captured prompts |
-  distilling | the round's process (`specserve draft         | failed: -> idle; its report refused
-             | distill` on the capture buffer, replay and    | by the swap guard: rolled back
-             | guard prompts, lowest CPU priority)           | (guard_refused) -> idle; else canary
+  distilling | the round's process (`specserve draft         | `round_verdict`: failed, kept the
+             | distill` on the capture buffer, replay and    | given draft, or refused by the swap
+             | guard prompts, lowest CPU priority)           | guard: rolled back -> idle; else
+             |                                              | canary
   canary     | the candidate serves `canary_share` of the    | `judge_canary`: promote (every
              | time in alternating windows; both drafts'     | replica, -> watching) or roll back
              | figures since the canary began                | (-> idle); no verdict by
@@ -95,6 +96,19 @@ async def throttle(pgid: int, share: float, cycle_s: float = CYCLE_S) -> None:
                 os.killpg(pgid, signal.SIGCONT)
     except ProcessLookupError:
         return
+
+
+def round_verdict(returncode: int, report: dict, problems: list[str]) -> dict | None:
+    """Why a finished round's draft goes no further (None: on to the canary): the round failed;
+    its training kept the draft it was given (no validation step beat it within the guard's
+    drops: nothing to canary); or the swap's guard refuses its held-out figures (`problems`)."""
+    if returncode != 0:
+        return {"reason": "round_failed"}
+    if report.get("train", {}).get("kept_step") == 0:
+        return {"reason": "round_no_gain"}
+    if problems:
+        return {"reason": "guard_refused", "problems": problems}
+    return None
 
 
 class Loop:
@@ -203,7 +217,8 @@ class Loop:
                 self.target_model, "--draft", self.serving, "--from-buffer",
                 str(Path(self.capture_dir).expanduser()), "--out", str(out), "--threads",
                 str(r.threads), "--temperature", r.temperature, "--replay", str(r.replay),
-                "--new-tokens", str(r.new_tokens),
+                "--replay-drop", str(r.replay_drop),
+                "--new-tokens", str(r.new_tokens), "--validation", str(r.validation),
                 *(["--steps", str(r.steps)] if r.steps
                   else ["--minutes", str(round(r.minutes / r.cpu_share, 3))]),
                 *(["--max-prompts", str(r.max_prompts)] if r.max_prompts else []),
@@ -236,19 +251,15 @@ class Loop:
             self.throttling.cancel()
             self.throttling = None
         report_file = Path(self.candidate) / "distill.json"
-        heldout = (json.loads(report_file.read_text()).get("heldout", {}).get("delta")
-                   if report_file.exists() else None)
-        self.record("round", draft=self.candidate, returncode=rc, heldout_delta=heldout,
+        report = json.loads(report_file.read_text()) if report_file.exists() else {}
+        self.record("round", draft=self.candidate, returncode=rc,
+                    heldout_delta=report.get("heldout", {}).get("delta"),
+                    kept_step=report.get("train", {}).get("kept_step"),
                     seconds=round(now - self.started, 1))
         self.first_below = {}       # a class must stay below for stay_below_s again first
-        if rc != 0:
-            self.record("rollback", reason="round_failed", draft=self.candidate)
-            self.candidate, self.state = None, "idle"
-            return
-        problems = guard(Path(self.candidate))
-        if problems:
-            self.record("rollback", reason="guard_refused", draft=self.candidate,
-                        problems=problems)
+        verdict = round_verdict(rc, report, guard(Path(self.candidate)) if rc == 0 else [])
+        if verdict:
+            self.record("rollback", draft=self.candidate, **verdict)
             self.candidate, self.state = None, "idle"
             return
         self.begin_canary(now)

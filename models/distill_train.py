@@ -17,6 +17,7 @@ import torch
 from models.distill import (DIVERGENCES, DistillData, default_ds_config, default_objective, distill_loss,
                             init_deepspeed, loss_temperature, save_hf, served_acceptance, split_heldout,
                             student_rollouts, teacher_topk, write_report)
+from models.distill_report import MAX_DROP
 from models.loader import check_compatible, eos_token_ids, load_model
 
 KEEP_CHECKPOINTS = 2
@@ -101,21 +102,25 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                 role: str = "draft", top_k: int = 64, checkpoint_every_s: float = 120.0,
                 validation: float = 0.05, eval_every_s: float = 60.0,
                 guard_data: DistillData | None = None, divergence: str | None = None,
-                on_policy: float | None = None, log=print) -> dict:
+                on_policy: float | None = None, drops: dict[str, float] | None = None,
+                log=print) -> dict:
     """Train the student in `student_path` towards the target on `data`; write `out`.
 
     `steps` counts DeepSpeed optimizer steps in total (a resumed run continues to it);
     `minutes` bounds the training time, previous attempts included. Every `eval_every_s` the
     student is scored on a validation share of the training prompts (`validation`; never the
-    held-out ones) at the served temperature, and the best-scoring weights are what `out`
-    gets (early stopping: a small draft memorises a few hundred prompts' continuations and
-    gets worse on new prompts, docs/decisions/0020-aligned-drafts.md). With several served
+    held-out ones) at the served temperature, and the best-scoring weights whose classes each
+    stay within the swap guard's drop are what `out` gets (`guarded_best`; early stopping: a
+    small draft memorises a few hundred prompts' continuations and gets worse on new prompts,
+    docs/decisions/0020-aligned-drafts.md). With several served
     temperatures (a list) `data`'s rows are labelled `class@T..` (`models.distill.at_temperature`)
     and each is scored at its own. `guard_data` (other traffic the draft serves, never trained
     on) is scored before and after as well, for the swap's guard. `divergence` is the loss
     (`models.distill.distill_loss`); `on_policy` is the share of steps whose continuations the
     student writes itself at the (highest) served temperature, scored by the target in the step;
-    either left None takes `models.distill.default_objective`'s. Returns the report.
+    either left None takes `models.distill.default_objective`'s. `drops` allows a class
+    (e.g. `replay`) a larger drop than the swap guard's MAX_DROP, in the kept step's choice
+    and in the guard that reads the report. Returns the report.
     """
     temps = [temperature] if isinstance(temperature, (int, float)) else list(temperature)
     objective = _Objective.of(divergence, on_policy, temps)
@@ -138,7 +143,7 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
 
     config = ds_config or default_ds_config()
     model = student.model.float().train()
-    best = _Best(out / "best.pt", target.model, split.val, temps)
+    best = _Best(out / "best.pt", target.model, split.val, temps, drops or {})
     if best.step is None:            # the student as given (before DeepSpeed casts it): kept if
         best.offer(0, model)         # no training step beats it
     engine, optimizer, _ = init_deepspeed(model, config)
@@ -172,7 +177,7 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                         "kept_step": best.step, "validation_rows": len(split.val_idx),
                         "validation": best.history},
               "heldout": {"before": before, "after": after, "delta": _delta(before, after)},
-              "guard": guard}
+              "guard": guard, "drops": drops or {}}
     write_report(out, report)
     return report
 
@@ -363,11 +368,15 @@ def _deepspeed_record(engine, optimizer, config: dict) -> dict:
 
 class _Best:
     """The best student so far by validation acceptance at the served temperature (all classes,
-    token-weighted): its weights in `path` (rewritten only when beaten), its step, score and
-    every score so far beside it (`path` with .json), so a resumed run still knows them."""
+    token-weighted) among those the swap's guard would take (`guarded_best`: no class's
+    validation acceptance more than `max_drop` below the given student's): its weights in
+    `path` (rewritten only when beaten), its step, score and every score so far beside it
+    (`path` with .json), so a resumed run still knows them."""
 
-    def __init__(self, path: Path, target, val: DistillData, temperatures: list[float]):
+    def __init__(self, path: Path, target, val: DistillData, temperatures: list[float],
+                 drops: dict[str, float]):
         self.path, self.target, self.val, self.temperatures = path, target, val, temperatures
+        self.drops = drops
         self.record = path.with_suffix(".json")
         self.step, self.score, self.history = None, float("-inf"), []
         if self.record.exists():
@@ -379,17 +388,43 @@ class _Best:
             self.step, self.score = step, float("nan")
             return
         module.eval()
-        score = served_acceptance(self.target, module, self.val, self.temperatures)["all"]["acceptance"]
+        scores = served_acceptance(self.target, module, self.val, self.temperatures)
         module.train()
-        self.history.append([step, score])
-        if score > self.score:
-            self.step, self.score = step, score
+        self.history.append([step, scores["all"]["acceptance"],
+                             {c: v["acceptance"] for c, v in scores.items() if c != "all"}])
+        kept = guarded_best(self.history, MAX_DROP, self.drops)
+        if kept[0] == step:
+            self.step, self.score = kept
             torch.save({k: v.detach().float().clone() for k, v in module.state_dict().items()}, self.path)
         self.record.write_text(json.dumps({"step": self.step, "score": self.score, "history": self.history}))
 
     def state(self) -> dict | None:
         """The kept weights (fp32), or None without a validation set (the last weights stand)."""
         return torch.load(self.path) if self.val.classes and self.path.exists() else None
+
+
+def guarded_best(history: list[list], max_drop: float = MAX_DROP,
+                 drops: dict[str, float] | None = None) -> list | None:
+    """[step, score] of the best-scoring offer in `history` ([step, score, {class: acceptance}],
+    the first one the student as given) whose classes each stay within `max_drop` (or the
+    class's own in `drops`) of the first's; the earliest of equal scores. Early stopping by the overall score alone keeps
+    weights the swap's guard then refuses: a round on traffic's classes lifts them for hundreds
+    of steps while the replayed class falls after the first few dozen
+    (docs/decisions/0033-alignment-loop.md)."""
+    if not history:
+        return None
+    first, best, drops = _classes(history[0]), None, drops or {}
+    for entry in history:
+        step, score, classes = entry[0], entry[1], _classes(entry)
+        fell = [c for c in first if c in classes
+                and classes[c] < first[c] - drops.get(c, max_drop)]
+        if not fell and (best is None or score > best[1]):
+            best = [step, score]
+    return best
+
+
+def _classes(entry: list) -> dict:
+    return entry[2] if len(entry) > 2 else {}      # a record from before classes were kept
 
 
 def _delta(before: dict, after: dict) -> dict:

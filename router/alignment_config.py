@@ -24,12 +24,19 @@ class DistillRound(BaseModel):
                              "its throughput (1: never stopped; a GPU of its own)")
     temperature: str = Field("1.0", description="served temperature(s), comma-separated")
     replay: int = Field(200, ge=0, description="general-code prompts replayed beside the class")
+    replay_drop: float = Field(0.02, ge=0, lt=1, description="how far the replayed class's "
+                               "held-out acceptance may fall (the served classes: 0.02, and the "
+                               "canary judges them live)")
     max_prompts: int | None = Field(600, ge=1, description="distinct captured prompts a round "
                                     "takes, the newest: half of the class that triggered it, "
                                     "the rest shared by the other classes (null: all)")
     guard_prompts: str | None = Field(None, description="JSONL prompts of other traffic, scored "
                                       "before and after; a drop there refuses the draft")
     new_tokens: int = Field(64, ge=1)
+    validation: float = Field(0.15, gt=0, lt=1, description="share of each class's training "
+                              "prompts that picks the kept weights: the best-scoring step whose "
+                              "classes each stay within the swap guard's drop, so enough of "
+                              "every class (replay included) to see it fall")
     extra_args: list[str] = Field(default_factory=list, description="more `draft distill` flags")
 
 

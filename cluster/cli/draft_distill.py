@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--replay", type=_count, default=0, metavar="N",
                    help="add N prompts (class 'replay') cut from this Python's standard library: "
                         "the draft keeps its agreement on general code while distilled on the rest")
+    p.add_argument("--replay-drop", type=_fraction, default=None, metavar="D",
+                   help="how far the replayed class's acceptance may fall, in the kept step's "
+                        "choice and in the swap guard (default: the guard's 0.02, as every class)")
     p.add_argument("--guard-prompts", help="JSONL prompts of other traffic the draft serves: never "
                    "trained on, scored before and after; `draft swap` refuses a drop there too")
     p.add_argument("--max-prompts", type=_at_least_one, default=None, metavar="N",
@@ -42,7 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--samples", type=int, default=1, help="target continuations per prompt")
     p.add_argument("--heldout", type=_fraction, default=0.15, help="fraction of prompts held out per class")
     p.add_argument("--validation", type=_fraction, default=0.05,
-                   help="fraction of the training prompts that pick the best weights (early stopping)")
+                   help="fraction of each class's training prompts that pick the kept weights: "
+                        "the best-scoring step with no class below the given draft's by more "
+                        "than the swap guard allows (early stopping)")
     p.add_argument("--eval-every-s", type=_positive, default=60.0, help="seconds between validation scores")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -195,7 +200,8 @@ def run(args) -> int:
                              heldout=args.heldout, seed=args.seed, role=args.role,
                              top_k=args.top_k, validation=args.validation,
                              eval_every_s=args.eval_every_s, guard_data=guard,
-                             divergence=args.divergence, on_policy=args.on_policy)
+                             divergence=args.divergence, on_policy=args.on_policy,
+                             drops=None if args.replay_drop is None else {"replay": args.replay_drop})
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"specserve draft distill: {exc}", file=sys.stderr)
         return 1

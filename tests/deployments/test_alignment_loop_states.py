@@ -7,7 +7,7 @@ import types
 from pathlib import Path
 
 from deployments import alignment_loop
-from deployments.alignment_loop import Loop, read_history
+from deployments.alignment_loop import Loop, read_history, round_verdict
 from router.config import AppConfig
 
 
@@ -37,6 +37,18 @@ def test_a_round_that_ends_makes_a_class_stay_below_again_before_the_next(tmp_pa
         assert loop.state == "idle" and loop.candidate is None and loop.first_below == {}
         reasons = [r.get("reason") for r in read_history(loop.dir)]
         assert reasons == [None, "guard_refused" if make_report else "round_failed"]
+
+
+def test_a_round_goes_to_the_canary_only_with_a_gain_the_guard_takes():
+    """A failed round, one whose training kept the draft it was given (canarying it would
+    only cost the window), and one the swap guard refuses each end at the round."""
+    ok = {"train": {"kept_step": 120}}
+    assert round_verdict(0, ok, []) is None
+    assert round_verdict(1, ok, []) == {"reason": "round_failed"}
+    assert round_verdict(0, {"train": {"kept_step": 0}}, []) == {"reason": "round_no_gain"}
+    assert round_verdict(0, ok, ["class 'replay' fell"]) == {
+        "reason": "guard_refused", "problems": ["class 'replay' fell"]}
+    assert round_verdict(0, {}, []) is None          # a report from before kept_step: canary
 
 
 def test_an_operator_canary_of_a_folder_that_is_no_checkpoint_is_refused(tmp_path):
@@ -69,6 +81,9 @@ def test_a_throttled_round_runs_its_share_of_each_cycle_and_is_never_left_stoppe
     assert cmd[cmd.index("--minutes") + 1] == "40.0"
     assert cmd[cmd.index("--max-prompts") + 1] == "600" and cmd[cmd.index("--focus") + 1] == \
         "creative"                      # the class that triggered the round takes half
+    from cluster.cli import build_parser           # every flag is one `draft distill` takes
+    args = build_parser(cmd[3:]).parse_args(cmd[3:])
+    assert (args.replay_drop, args.validation, args.replay) == (0.02, 0.15, 200)
     monkeypatch.setattr(alignment_loop, "CYCLE_S", 0.2)
     monkeypatch.setattr(loop, "round_command",
                         lambda out: [sys.executable, "-c", "while True: pass"])

@@ -250,6 +250,18 @@ def test_swap_guard_refuses_a_class_that_got_worse(tmp_path):
     saved["guard"] = {"before": {"code": {"acceptance": 0.80}}, "after": {"code": {"acceptance": 0.77}}}
     (tmp_path / "distill.json").write_text(json.dumps(saved))
     assert guard(tmp_path) == ["class 'code': guard-set acceptance 0.770 < 0.800 - 0.02"]
+    # a class the report allows more (`draft distill --replay-drop`): refused only past it
+    saved["guard"] = None
+    saved["heldout"]["before"]["replay"], saved["heldout"]["after"]["replay"] = (
+        {"acceptance": 0.80}, {"acceptance": 0.76})
+    (tmp_path / "distill.json").write_text(json.dumps(saved))
+    assert guard(tmp_path) == ["class 'replay': held-out acceptance 0.760 < 0.800 - 0.02"]
+    saved["drops"] = {"replay": 0.05}
+    (tmp_path / "distill.json").write_text(json.dumps(saved))
+    assert guard(tmp_path) == []
+    saved["heldout"]["after"]["replay"] = {"acceptance": 0.74}
+    (tmp_path / "distill.json").write_text(json.dumps(saved))
+    assert guard(tmp_path) == ["class 'replay': held-out acceptance 0.740 < 0.800 - 0.05"]
     (tmp_path / "distill.json").unlink()
     assert "distill.json" in guard(tmp_path)[0]
 
@@ -330,6 +342,26 @@ def test_a_run_that_only_gets_worse_keeps_the_given_draft(tiny_family, prompts, 
     for (name, a), b in zip(given.state_dict().items(), kept.state_dict().values()):
         assert torch.equal(a.float(), b.float()), name
     assert report["heldout"]["after"] == report["heldout"]["before"]
+
+
+def test_the_kept_weights_are_the_best_the_swap_guard_takes():
+    """Early stopping picks the best validation score among the steps whose classes each stay
+    within the guard's drop of the given draft's: the later, higher-scoring step lost the
+    replayed class and would be refused by the swap."""
+    from models.distill_train import guarded_best
+
+    history = [[0, 0.70, {"creative": 0.60, "replay": 0.75}],
+               [50, 0.80, {"creative": 0.85, "replay": 0.50}],      # at the bound: taken
+               [100, 0.85, {"creative": 0.90, "replay": 0.45}],     # past it
+               [150, 0.80, {"creative": 0.80, "replay": 0.75}]]     # ties 50: the earlier kept
+    assert guarded_best(history, 0.25) == [50, 0.80]
+    assert guarded_best(history[:1], 0.25) == [0, 0.70]
+    assert guarded_best([[0, 0.7, {"a": 0.7}], [9, 0.6, {"a": 0.6}]], 0.25) == [0, 0.7]
+    assert guarded_best([[0, 0.7], [9, 0.8]], 0.25) == [9, 0.8]      # a record without classes
+    assert guarded_best([], 0.25) is None
+    # the replayed class allowed a larger drop (`--replay-drop`): step 100 is taken then
+    assert guarded_best(history, 0.25, {"replay": 0.30}) == [100, 0.85]
+    assert guarded_best(history, 0.25, {"creative": 0.30}) == [50, 0.80]
 
 
 def test_several_temperatures_and_a_guard_set(tiny_family, prompts, tmp_path):
