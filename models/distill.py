@@ -127,6 +127,19 @@ def distill_loss(student_logits, top_values, top_ids, targets, mask, temperature
     that coarser distribution, so never negative and the tail is not left to grow)."""
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if top_ids is None:                 # the loss and its gradient in one pass
+        from models.distill_fused import full_vocab_loss
+
+        return full_vocab_loss(student_logits, top_values, targets, mask, temperature, ce_weight,
+                               divergence)
+    return _autograd_loss(student_logits, top_values, top_ids, targets, mask, temperature,
+                          ce_weight, divergence)
+
+
+def _autograd_loss(student_logits, top_values, top_ids, targets, mask, temperature: float,
+                   ce_weight: float, divergence: str) -> tuple[torch.Tensor, float]:
+    """`distill_loss` as autograd's expression (the teacher's top-k with a tail bucket, or the
+    whole vocabulary: models/distill_fused.py is the faster form of that case)."""
     logq = F.log_softmax(student_logits.float() / temperature, dim=-1)     # [B, L, V]
     p_log = top_values.float()                                             # [B, L, k or V]
     if top_ids is not None:

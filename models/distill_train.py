@@ -17,7 +17,7 @@ import torch
 from models.distill import (DIVERGENCES, DistillData, default_ds_config, default_objective, distill_loss,
                             init_deepspeed, loss_temperature, save_hf, served_acceptance, split_heldout,
                             student_rollouts, teacher_topk, write_report)
-from models.distill_report import MAX_DROP
+from models.distill_best import Best
 from models.loader import check_compatible, eos_token_ids, load_model
 
 KEEP_CHECKPOINTS = 2
@@ -103,14 +103,14 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                 validation: float = 0.05, eval_every_s: float = 60.0,
                 guard_data: DistillData | None = None, divergence: str | None = None,
                 on_policy: float | None = None, drops: dict[str, float] | None = None,
-                log=print) -> dict:
+                anneal: float = 0.0, log=print) -> dict:
     """Train the student in `student_path` towards the target on `data`; write `out`.
 
     `steps` counts DeepSpeed optimizer steps in total (a resumed run continues to it);
     `minutes` bounds the training time, previous attempts included. Every `eval_every_s` the
     student is scored on a validation share of the training prompts (`validation`; never the
     held-out ones) at the served temperature, and the best-scoring weights whose classes each
-    stay within the swap guard's drop are what `out` gets (`guarded_best`; early stopping: a
+    stay within the swap guard's drop are what `out` gets (`models/distill_best.py`; early stopping: a
     small draft memorises a few hundred prompts' continuations and gets worse on new prompts,
     docs/decisions/0020-aligned-drafts.md). With several served
     temperatures (a list) `data`'s rows are labelled `class@T..` (`models.distill.at_temperature`)
@@ -120,7 +120,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     student writes itself at the (highest) served temperature, scored by the target in the step;
     either left None takes `models.distill.default_objective`'s. `drops` allows a class
     (e.g. `replay`) a larger drop than the swap guard's MAX_DROP, in the kept step's choice
-    and in the guard that reads the report. Returns the report.
+    and in the guard that reads the report. `anneal`: the last share of the budget takes the
+    learning rate linearly to 0. Returns the report.
     """
     temps = [temperature] if isinstance(temperature, (int, float)) else list(temperature)
     objective = _Objective.of(divergence, on_policy, temps)
@@ -143,11 +144,14 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
 
     config = ds_config or default_ds_config()
     model = student.model.float().train()
-    best = _Best(out / "best.pt", target.model, split.val, temps, drops or {})
+    best = Best(out / "best.pt", target.model, split.val, temps, drops or {})
     if best.step is None:            # the student as given (before DeepSpeed casts it): kept if
         best.offer(0, model)         # no training step beats it
     engine, optimizer, _ = init_deepspeed(model, config)
-    budget = _Budget(steps, minutes * 60 if minutes else None, checkpoint_every_s, eval_every_s)
+    if not 0 <= anneal <= 1:
+        raise ValueError(f"anneal is a share of the budget in [0, 1], got {anneal}")
+    budget = _Budget(steps, minutes * 60 if minutes else None, checkpoint_every_s, eval_every_s,
+                     anneal)
     trained_s, recent = _train(engine, ckpt, target.model, split.train, teacher, objective, best,
                                budget, seed, role, log)
     best.offer(engine.global_steps, engine.module)
@@ -175,6 +179,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                         "final_divergence": round(sum(recent) / max(1, len(recent)), 4)
                         if recent else None,
                         "kept_step": best.step, "validation_rows": len(split.val_idx),
+                        "anneal": anneal,
+                        "last_lr": [g["lr"] for g in engine.optimizer.param_groups][0],
                         "validation": best.history},
               "heldout": {"before": before, "after": after, "delta": _delta(before, after)},
               "guard": guard, "drops": drops or {}}
@@ -263,6 +269,15 @@ class _Budget:
     seconds: float | None         # training time in all, or None
     checkpoint_every_s: float
     eval_every_s: float
+    anneal: float = 0.0           # the last share of the budget takes the learning rate to 0
+
+    def lr_scale(self, step: int, seconds: float) -> float:
+        """The learning rate's factor at this point of the budget: 1, then linearly down to 0
+        over its last `anneal` share (the steps' share with a step budget, else the time's)."""
+        done = step / self.steps if self.steps else seconds / self.seconds
+        if self.anneal <= 0 or done <= 1 - self.anneal:
+            return 1.0
+        return max(0.0, (1 - done) / self.anneal)
 
 
 def _scored_before(out: Path, target, student, held: DistillData, guard: DistillData | None,
@@ -290,7 +305,7 @@ def _measured_once(path: Path, measure) -> tuple[dict, bool]:
 
 
 def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, objective: _Objective,
-           best: "_Best", budget: _Budget, seed: int, role: str, log) -> tuple[float, list[float]]:
+           best: "Best", budget: _Budget, seed: int, role: str, log) -> tuple[float, list[float]]:
     """DeepSpeed steps from the last checkpoint in `ckpt` until the budget is spent, offering the
     student to `best` every eval_every_s and checkpointing every checkpoint_every_s and at the
     end: (seconds trained, previous attempts included; the last steps' divergence)."""
@@ -310,6 +325,8 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, ob
     start, last_ckpt, recent = time.monotonic() - elapsed, time.monotonic(), []
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else None
     last_eval = time.monotonic()
+    peaks = list(getattr(engine.lr_scheduler, "max_lrs", None)      # the warm-up's peak
+                 or [g["lr"] for g in engine.optimizer.param_groups])
     while True:
         done = time.monotonic() - start
         if (steps and engine.global_steps >= steps) or (budget_s and done >= budget_s):
@@ -323,6 +340,10 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, ob
         else:
             batch = _batch(train, teacher.values, teacher.ids, size, seed_r, step)
         recent = (recent + [_step(engine, target, batch, objective, dtype)])[-20:]
+        if budget.anneal > 0:         # after the scheduler's step: the lr of the next one
+            scale = budget.lr_scale(engine.global_steps, time.monotonic() - start)
+            for group, peak in zip(engine.optimizer.param_groups, peaks):
+                group["lr"] = peak * scale
         bar.set_postfix(step=step, **{objective.divergence: f"{sum(recent) / len(recent):.3f}"},
                         best=f"{best.score:.3f}@{best.step}", refresh=False)
         bar.update(1) if steps else bar.update(round(time.monotonic() - start) - bar.n)
@@ -364,67 +385,6 @@ def _deepspeed_record(engine, optimizer, config: dict) -> dict:
             "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
             "zero_stage": engine.zero_optimization_stage(),
             "bf16": engine.bfloat16_enabled(), "config": config}
-
-
-class _Best:
-    """The best student so far by validation acceptance at the served temperature (all classes,
-    token-weighted) among those the swap's guard would take (`guarded_best`: no class's
-    validation acceptance more than `max_drop` below the given student's): its weights in
-    `path` (rewritten only when beaten), its step, score and every score so far beside it
-    (`path` with .json), so a resumed run still knows them."""
-
-    def __init__(self, path: Path, target, val: DistillData, temperatures: list[float],
-                 drops: dict[str, float]):
-        self.path, self.target, self.val, self.temperatures = path, target, val, temperatures
-        self.drops = drops
-        self.record = path.with_suffix(".json")
-        self.step, self.score, self.history = None, float("-inf"), []
-        if self.record.exists():
-            saved = json.loads(self.record.read_text())
-            self.step, self.score, self.history = saved["step"], saved["score"], saved["history"]
-
-    def offer(self, step: int, module) -> None:
-        if not self.val.classes:
-            self.step, self.score = step, float("nan")
-            return
-        module.eval()
-        scores = served_acceptance(self.target, module, self.val, self.temperatures)
-        module.train()
-        self.history.append([step, scores["all"]["acceptance"],
-                             {c: v["acceptance"] for c, v in scores.items() if c != "all"}])
-        kept = guarded_best(self.history, MAX_DROP, self.drops)
-        if kept[0] == step:
-            self.step, self.score = kept
-            torch.save({k: v.detach().float().clone() for k, v in module.state_dict().items()}, self.path)
-        self.record.write_text(json.dumps({"step": self.step, "score": self.score, "history": self.history}))
-
-    def state(self) -> dict | None:
-        """The kept weights (fp32), or None without a validation set (the last weights stand)."""
-        return torch.load(self.path) if self.val.classes and self.path.exists() else None
-
-
-def guarded_best(history: list[list], max_drop: float = MAX_DROP,
-                 drops: dict[str, float] | None = None) -> list | None:
-    """[step, score] of the best-scoring offer in `history` ([step, score, {class: acceptance}],
-    the first one the student as given) whose classes each stay within `max_drop` (or the
-    class's own in `drops`) of the first's; the earliest of equal scores. Early stopping by the overall score alone keeps
-    weights the swap's guard then refuses: a round on traffic's classes lifts them for hundreds
-    of steps while the replayed class falls after the first few dozen
-    (docs/decisions/0033-alignment-loop.md)."""
-    if not history:
-        return None
-    first, best, drops = _classes(history[0]), None, drops or {}
-    for entry in history:
-        step, score, classes = entry[0], entry[1], _classes(entry)
-        fell = [c for c in first if c in classes
-                and classes[c] < first[c] - drops.get(c, max_drop)]
-        if not fell and (best is None or score > best[1]):
-            best = [step, score]
-    return best
-
-
-def _classes(entry: list) -> dict:
-    return entry[2] if len(entry) > 2 else {}      # a record from before classes were kept
 
 
 def _delta(before: dict, after: dict) -> dict:

@@ -61,6 +61,9 @@ def add_arguments(p) -> None:
                    help="share of steps trained on the draft's own continuations, scored by the "
                         "target; default: 1 where every served temperature samples, else 0")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the default config")
+    p.add_argument("--anneal", type=_share, default=0.0, metavar="SHARE",
+                   help="the last SHARE of the budget (steps, or time) takes the learning rate "
+                        "linearly to 0")
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch of the default config")
 
 
@@ -201,7 +204,8 @@ def run(args) -> int:
                              top_k=args.top_k, validation=args.validation,
                              eval_every_s=args.eval_every_s, guard_data=guard,
                              divergence=args.divergence, on_policy=args.on_policy,
-                             drops=None if args.replay_drop is None else {"replay": args.replay_drop})
+                             drops=None if args.replay_drop is None else {"replay": args.replay_drop},
+                             anneal=args.anneal)
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"specserve draft distill: {exc}", file=sys.stderr)
         return 1

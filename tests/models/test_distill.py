@@ -144,6 +144,38 @@ def test_total_variation_is_one_minus_the_acceptance():
         distill_loss(student, teacher, None, targets, mask, 1.0, divergence="js")
 
 
+@pytest.mark.parametrize("divergence", ["tv", "kl"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_full_vocabulary_loss_has_autograds_value_and_gradient(divergence, temperature):
+    """The on-policy steps' loss (the teacher's whole distribution) with its gradient written
+    out (models/distill_fused.py) equals the autograd expression, positions the mask leaves
+    out included (their gradient is zero), across more than one block of positions."""
+    import torch
+
+    from models import distill_fused
+    from models.distill import _autograd_loss, distill_loss
+
+    g = torch.Generator().manual_seed(3)
+    B, L, V = 3, 7, 50
+    teacher = torch.log_softmax(torch.randn(B, L, V, generator=g) * 2, -1)
+    targets = torch.randint(V, (B, L), generator=g)
+    mask = (torch.rand(B, L, generator=g) > 0.3).float()
+    base = torch.randn(B, L, V, generator=g, dtype=torch.float64) * 2
+    z1, z2 = base.clone().requires_grad_(), base.clone().requires_grad_()
+    old_block = distill_fused.BLOCK
+    distill_fused.BLOCK = 4                   # several blocks over the 15 or so kept positions
+    try:
+        loss1, div1 = distill_loss(z1, teacher, None, targets, mask, temperature, divergence=divergence)
+    finally:
+        distill_fused.BLOCK = old_block
+    loss2, div2 = _autograd_loss(z2, teacher, None, targets, mask, temperature, 0.1, divergence)
+    (3 * loss1).backward()
+    (3 * loss2).backward()
+    assert abs(div1 - div2) < 1e-5 and abs(loss1.item() - loss2.item()) < 1e-5
+    assert torch.allclose(z1.grad, z2.grad, atol=1e-6), (z1.grad - z2.grad).abs().max()
+    assert z1.grad[mask == 0].abs().max() == 0
+
+
 def test_on_policy_rows_are_the_students_own_continuations(tiny_family):
     """The rows an on-policy step trains on: each prompt as given, continued by the student (here
     greedy, to compare with its argmax token by token), prompts of unequal length side by side."""
@@ -348,7 +380,7 @@ def test_the_kept_weights_are_the_best_the_swap_guard_takes():
     """Early stopping picks the best validation score among the steps whose classes each stay
     within the guard's drop of the given draft's: the later, higher-scoring step lost the
     replayed class and would be refused by the swap."""
-    from models.distill_train import guarded_best
+    from models.distill_best import guarded_best
 
     history = [[0, 0.70, {"creative": 0.60, "replay": 0.75}],
                [50, 0.80, {"creative": 0.85, "replay": 0.50}],      # at the bound: taken
@@ -362,6 +394,28 @@ def test_the_kept_weights_are_the_best_the_swap_guard_takes():
     # the replayed class allowed a larger drop (`--replay-drop`): step 100 is taken then
     assert guarded_best(history, 0.25, {"replay": 0.30}) == [100, 0.85]
     assert guarded_best(history, 0.25, {"creative": 0.30}) == [50, 0.80]
+
+
+def test_the_learning_rate_anneals_over_the_last_share_of_the_budget(tiny_family, prompts,
+                                                                      tmp_path):
+    """`--anneal SHARE`: the rate holds its peak, then falls linearly to 0 over the budget's
+    last share (steps with a step budget, else time); the run ends at 0."""
+    from models.distill_train import _Budget
+
+    steps = _Budget(100, None, 1.0, 1.0, anneal=0.5)
+    assert [steps.lr_scale(s, 0.0) for s in (0, 50, 75, 100)] == [1.0, 1.0, 0.5, 0.0]
+    timed = _Budget(None, 200.0, 1.0, 1.0, anneal=0.25)
+    assert [timed.lr_scale(999, t) for t in (0.0, 150.0, 175.0, 250.0)] == [1.0, 1.0, 0.5, 0.0]
+    assert _Budget(100, None, 1.0, 1.0).lr_scale(99, 0.0) == 1.0
+    last = {}
+    for anneal in ("1", "0"):
+        out = tmp_path / f"anneal{anneal}"
+        assert _distill(tiny_family, prompts, out, "--steps", "4", "--top-k", "0",
+                        "--anneal", anneal) == 0
+        report = json.loads((out / "distill.json").read_text())
+        assert report["train"]["anneal"] == float(anneal)
+        last[anneal] = report["train"]["last_lr"]
+    assert last["1"] == 0.0 and last["0"] > 0          # warming up still, without the anneal
 
 
 def test_several_temperatures_and_a_guard_set(tiny_family, prompts, tmp_path):
