@@ -20,6 +20,7 @@ from router.billing import BilledUsage, RunCounts, billed_usage
 from router.keys import KeyRecord, KeyStore, KeyTable
 from router.ledger import Ledger, LedgerRecord
 from router.openai_schema import HTTPError
+from router.policy import PROBES
 from router.ratelimit import RateLimiter
 from router.store import Database, default_url
 
@@ -95,10 +96,13 @@ class Accounting:
         """The priced usage of what ran so far (`last`: the latest cumulative chunk or None)."""
         # Economy pays the small tier's price wherever it ran (the policy sends it to baseline
         # only while the small tier is down): an outage never costs the caller more.
+        # A probe (router/policy.py: PROBES) speculates to measure for the cluster where auto
+        # would have run it at baseline: the caller pays baseline.
         priced = "small" if charge.plan == "economy" else charge.tier
+        probe = charge.reason in PROBES
         run = RunCounts(priced, getattr(last, "num_prompt_tokens", 0),
                         getattr(last, "num_output_tokens", 0),
-                        getattr(last, "num_speculative_tokens", 0),
+                        0 if probe else getattr(last, "num_speculative_tokens", 0),
                         getattr(last, "num_draft_tokens", 0),
                         getattr(last, "num_accepted_tokens", 0))
         mode = getattr(last, "mode", None) or charge.requested_mode

@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import math
+import random
 import time
 
 from fastapi import Request
@@ -86,6 +87,7 @@ class Ingress:
         self.alignment = alignment              # the alignment loop's handle, where it runs
         self.policy_config = self.cfg.policy
         self.policy_state = policy.PolicyState()
+        self.probe_rng = random.Random()     # which auto requests probe (policy.probe_share)
         self.observer = Observer(self.policy_config.default_acceptance, tuple(self.handles),
                                  self.cfg.scales_to_zero)
         self._waking: set[str] = set()
@@ -164,7 +166,8 @@ class Ingress:
         req = policy.TierRequest(plan=plan, speculation=body.speculation,
                                  allow_downgrade=body.allow_downgrade,
                                  prompt_class=policy.classify_prompt(text),
-                                 prompt_tokens=prompt_len, max_tokens=max_tokens)
+                                 prompt_tokens=prompt_len, max_tokens=max_tokens,
+                                 probe=self.probe_rng.random() < self.policy_config.probe_share)
         try:
             decision = policy.choose_tier(req, self.observer.cluster_stats(), self.policy_state,
                                           self.policy_config)

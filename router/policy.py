@@ -25,7 +25,12 @@ Rules, first match wins (reasons are machine-readable and returned to the caller
                            speculative speculation_pays: the request's class pays alone on the
                            replica's profile (`speculation_gain` of it alone >= min_gain), and
                            the engine's adaptive k then decides each step, at every batch,
-                           whether and how far to draft (k = 0 is plain decoding).
+                           whether and how far to draft (k = 0 is plain decoding); a request
+                           the caller drew as a probe (`probe_share` of them) speculates where
+                           acceptance_low or drafting_loses would send it to baseline
+                           (acceptance_probe, drafting_probe): a class's acceptance, and the
+                           engine's verdict on drafting, are learnt only from speculative
+                           requests, so without probes neither is measured again once low.
 No load gate for auto beyond memory, and a deep queue does not send auto to baseline: a queue
 says the batch is full, and at a full batch the engine's per-step k already drafts only where
 that pays; a router guessing the same from a second-hand cost model lags it. The per-request
@@ -49,7 +54,8 @@ SPECULATION = ("auto", "on", "off")
 TIERS = ("speculative", "baseline", "small")
 REASONS = ("speculation_off", "plan_economy", "plan_premium", "speculation_on", "no_draft",
            "kv_headroom", "queue_deep", "plan_standard", "drafting_loses", "acceptance_low",
-           "speculation_pays", "tier_down", "small_cold")
+           "speculation_pays", "tier_down", "small_cold", "acceptance_probe", "drafting_probe")
+PROBES = ("acceptance_probe", "drafting_probe")     # speculating to measure: priced at baseline
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class TierRequest:
     prompt_class: str = "chat"  # code | chat | qa | creative (see classify_prompt)
     prompt_tokens: int = 0
     max_tokens: int = 256
+    probe: bool = False  # drawn by the caller with probability `PolicyConfig.probe_share`
 
     def __post_init__(self) -> None:
         if self.plan not in PLANS:
@@ -89,6 +96,9 @@ class PolicyConfig:
     queue_deep_exit: int = 2  # ... and at or below which it no longer does
     kv_low_water: float = 0.10  # fraction of the KV budget a speculative admission must leave free
     default_acceptance: float = 0.6  # prior when a prompt class has no live estimate yet
+    probe_share: float = 0.02  # auto requests drawn as probes: they speculate where their
+    #   class's acceptance says it does not pay, so the estimate follows the draft and the
+    #   traffic (a class's acceptance is learnt from speculative requests alone)
 
     def __post_init__(self) -> None:
         """Checked where the config is loaded (`router.config.AppConfig.policy`)."""
@@ -103,6 +113,8 @@ class PolicyConfig:
                              f"{self.queue_deep_exit} and {self.queue_deep_enter}")
         if not 0 < self.default_acceptance < 1:
             raise ValueError("policy.default_acceptance must be in (0, 1)")
+        if not 0 <= self.probe_share <= 1:
+            raise ValueError(f"policy.probe_share must be in [0, 1], got {self.probe_share}")
 
 
 @dataclass(frozen=True)
@@ -150,6 +162,8 @@ def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
     if blocked:
         return Decision("baseline", 0, blocked, state)
     if target.drafting_loses:          # measured, not predicted: the model missed something
+        if request.probe:              # the engine re-judges drafting only where some drafts
+            return Decision("speculative", config.k_max, "drafting_probe", state)
         return Decision("baseline", 0, "drafting_loses", state)
     a = target.acceptance_by_class.get(request.prompt_class, config.default_acceptance)
     # Whether this class's acceptance pays for drafting, priced at the replica's profile: what
@@ -162,6 +176,8 @@ def choose_tier(request: TierRequest, stats: ClusterStats, state: PolicyState,
     alone = speculation_gain(profiled, a, config.k_max, request.prompt_tokens, request.max_tokens,
                              alone=True)
     if alone < config.min_gain:
+        if request.probe:
+            return Decision("speculative", config.k_max, "acceptance_probe", state)
         return Decision("baseline", 0, "acceptance_low", state)
     return Decision("speculative", config.k_max, "speculation_pays", state)
 

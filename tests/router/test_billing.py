@@ -98,3 +98,13 @@ def test_economy_pays_the_small_tiers_price_wherever_it_ran(tmp_path):
     assert cold.tier == "baseline" and cold.price_micro_usd == small.price_micro_usd
     assert standard.price_micro_usd > small.price_micro_usd
     assert outage.price_micro_usd == price_micro_usd(cfg.prices, RunCounts("small", 100, 50))
+    # a probe speculated to measure its class for the cluster: the caller pays baseline
+    spec = GenerateChunk(text="", finished=True, num_prompt_tokens=100, num_output_tokens=50,
+                         num_speculative_tokens=50, mode="speculative")
+    probe = accounts.usage(charge("auto", "speculative", "acceptance_probe"), spec)
+    pays = accounts.usage(charge("auto", "speculative", "speculation_pays"), spec)
+    assert probe.tier == "speculative" and probe.speculative_tokens == 0
+    assert probe.price_micro_usd == price_micro_usd(cfg.prices, RunCounts("baseline", 100, 50))
+    assert pays.price_micro_usd > probe.price_micro_usd
+    other = accounts.usage(charge("auto", "speculative", "drafting_probe"), spec)
+    assert other.price_micro_usd == probe.price_micro_usd

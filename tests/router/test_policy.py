@@ -61,6 +61,9 @@ TABLE = [
     (req(plan="premium"), cluster(drafting_loses=True), STATE, "speculative", "plan_premium"),
     (req(prompt_class="creative"), cluster(acceptance_by_class={"creative": 0.03}), STATE,
      "baseline", "acceptance_low"),
+    (req(prompt_class="creative", probe=True), cluster(acceptance_by_class={"creative": 0.03}),
+     STATE, "speculative", "acceptance_probe"),
+    (req(probe=True), cluster(drafting_loses=True), STATE, "speculative", "drafting_probe"),
     (req(), cluster(decode_batch_size=200, context_tokens=200 * 800,
                     acceptance_samples=tuple(i / 100 for i in range(5, 95))), STATE,
      "speculative", "speculation_pays"),
@@ -124,6 +127,31 @@ def test_auto_speculates_at_any_batch_where_its_class_pays():
     s = cluster(cost=LINEAR, acceptance_by_class={"chat": 0.05})
     assert choose_tier(req(), s, PolicyState()).reason == "acceptance_low"
     assert choose_tier(req(), s, PolicyState(), PolicyConfig(min_gain=0.5)).reason == "speculation_pays"
+
+
+def test_a_probe_speculates_where_the_class_is_judged_low_and_nowhere_else():
+    """A class's acceptance is learnt from speculative requests alone: without probes, a class
+    once judged low would go to baseline for good, its estimate never updated after the draft
+    or the traffic changed (and the alignment loop, which distils the low classes, would see
+    none of it). A probe speculates exactly where acceptance_low would send it to baseline;
+    every other rule holds for it."""
+    low = cluster(cost=LINEAR, acceptance_by_class={"chat": 0.05})
+    d = choose_tier(req(probe=True), low, PolicyState())
+    assert (d.tier, d.reason, d.k_max) == ("speculative", "acceptance_probe", PolicyConfig().k_max)
+    assert choose_tier(req(probe=False), low, PolicyState()).reason == "acceptance_low"
+    for kw, reason in ((dict(plan="standard"), "plan_standard"),
+                       (dict(speculation="off"), "speculation_off"),
+                       (dict(plan="economy"), "plan_economy")):
+        assert choose_tier(req(probe=True, **kw), low, PolicyState()).reason == reason
+    paying = cluster(cost=LINEAR)
+    assert choose_tier(req(probe=True), paying, PolicyState()).reason == "speculation_pays"
+    # the engine's verdict that drafting loses is re-judged only where some sequence drafts
+    loses = cluster(cost=LINEAR, drafting_loses=True)
+    d = choose_tier(req(probe=True), loses, PolicyState())
+    assert (d.tier, d.reason) == ("speculative", "drafting_probe")
+    assert choose_tier(req(), loses, PolicyState()).reason == "drafting_loses"
+    with pytest.raises(ValueError, match="probe_share"):
+        PolicyConfig(probe_share=1.5)
 
 
 def test_a_draft_price_learnt_under_load_does_not_lock_auto_out():
