@@ -57,9 +57,11 @@ class _Rollouts:
         self.new_tokens = int((data.lengths - data.prompt_lens).max())
         self.pool: list[DistillData] = []
 
-    def batch(self, engine, step: int):
+    def batch(self, engine, step: int, writer=None):
+        """The rows of `step`: the student's own continuations, or `writer`'s (the target's:
+        fresh samples of the distribution served contexts follow)."""
         if not self.pool:
-            self._draw(engine.module, step)
+            self._draw(writer if writer is not None else engine.module, step)
         sub = self.pool.pop()
         return sub.tokens[:, :-1], sub.tokens[:, 1:], sub.loss_mask(), None, None
 
@@ -103,7 +105,7 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                 validation: float = 0.05, eval_every_s: float = 60.0,
                 guard_data: DistillData | None = None, divergence: str | None = None,
                 on_policy: float | None = None, drops: dict[str, float] | None = None,
-                anneal: float = 0.0, log=print) -> dict:
+                anneal: float = 0.0, rollouts: str = "student", log=print) -> dict:
     """Train the student in `student_path` towards the target on `data`; write `out`.
 
     `steps` counts DeepSpeed optimizer steps in total (a resumed run continues to it);
@@ -124,7 +126,9 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     learning rate linearly to 0. Returns the report.
     """
     temps = [temperature] if isinstance(temperature, (int, float)) else list(temperature)
-    objective = _Objective.of(divergence, on_policy, temps)
+    objective = _Objective.of(divergence, on_policy, temps, rollouts)
+    if not 0 <= anneal <= 1:
+        raise ValueError(f"anneal is a share of the budget in [0, 1], got {anneal}")
     if not steps and not minutes:
         raise ValueError("give a budget: steps or minutes")
     out = Path(out)
@@ -148,8 +152,6 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     if best.step is None:            # the student as given (before DeepSpeed casts it): kept if
         best.offer(0, model)         # no training step beats it
     engine, optimizer, _ = init_deepspeed(model, config)
-    if not 0 <= anneal <= 1:
-        raise ValueError(f"anneal is a share of the budget in [0, 1], got {anneal}")
     budget = _Budget(steps, minutes * 60 if minutes else None, checkpoint_every_s, eval_every_s,
                      anneal)
     trained_s, recent = _train(engine, ckpt, target.model, split.train, teacher, objective, best,
@@ -169,7 +171,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
         guard = {"before": guard_before, "after": guard_after, "delta": _delta(guard_before, guard_after)}
     report = {"role": role, "target": str(target.path), "student": str(student.path),
               "temperature": temps[0] if len(temps) == 1 else temps, "loss_temperature": t_loss,
-              "objective": {"divergence": objective.divergence, "on_policy": objective.on_policy},
+              "objective": {"divergence": objective.divergence, "on_policy": objective.on_policy,
+                            "rollouts": objective.rollouts},
               "trainer": "deepspeed", "deepspeed": _deepspeed_record(engine, optimizer, config),
               "data": {"train_rows": len(split.train_idx), "heldout_rows": len(split.held_idx),
                        "train_tokens": int(split.train.loss_mask().sum()),
@@ -239,16 +242,19 @@ class _Teacher:
 @dataclass
 class _Objective:
     """What a step minimises: the divergence at the loss temperature, and the share of steps on
-    the student's own continuations (sampled at `rollout_temperature`)."""
+    fresh continuations (sampled at `rollout_temperature`) written by `rollouts`: the student
+    itself, or the target."""
 
     divergence: str
     t_loss: float
     on_policy: float
     rollout_temperature: float
+    rollouts: str = "student"
     rollout_eos: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, divergence: str | None, on_policy: float | None, temps: list[float]) -> "_Objective":
+    def of(cls, divergence: str | None, on_policy: float | None, temps: list[float],
+           rollouts: str = "student") -> "_Objective":
         """The given choices, `default_objective`'s where None, for the served `temps`; refused
         before any model loads when out of range."""
         chosen = default_objective(temps)
@@ -258,7 +264,9 @@ class _Objective:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
         if not 0 <= on_policy <= 1:
             raise ValueError(f"on_policy is a share of steps in [0, 1], got {on_policy}")
-        return cls(divergence, loss_temperature(temps), on_policy, max(temps))
+        if rollouts not in ("student", "target"):
+            raise ValueError(f"rollouts are written by the student or the target, got {rollouts!r}")
+        return cls(divergence, loss_temperature(temps), on_policy, max(temps), rollouts)
 
 
 @dataclass
@@ -336,7 +344,7 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, ob
             last_eval = time.monotonic()
         step = engine.global_steps
         if _on_policy_step(seed_r, step, objective.on_policy):
-            batch = rollouts.batch(engine, step)
+            batch = rollouts.batch(engine, step, target if objective.rollouts == "target" else None)
         else:
             batch = _batch(train, teacher.values, teacher.ids, size, seed_r, step)
         recent = (recent + [_step(engine, target, batch, objective, dtype)])[-20:]

@@ -60,6 +60,9 @@ def add_arguments(p) -> None:
     p.add_argument("--on-policy", type=_share, default=None, metavar="SHARE",
                    help="share of steps trained on the draft's own continuations, scored by the "
                         "target; default: 1 where every served temperature samples, else 0")
+    p.add_argument("--rollouts", choices=("student", "target"), default="student",
+                   help="who writes the on-policy steps' fresh continuations: the draft itself, "
+                        "or the target (the distribution served contexts follow)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the default config")
     p.add_argument("--anneal", type=_share, default=0.0, metavar="SHARE",
                    help="the last SHARE of the budget (steps, or time) takes the learning rate "
@@ -205,7 +208,7 @@ def run(args) -> int:
                              eval_every_s=args.eval_every_s, guard_data=guard,
                              divergence=args.divergence, on_policy=args.on_policy,
                              drops=None if args.replay_drop is None else {"replay": args.replay_drop},
-                             anneal=args.anneal)
+                             anneal=args.anneal, rollouts=args.rollouts)
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"specserve draft distill: {exc}", file=sys.stderr)
         return 1

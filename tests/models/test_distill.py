@@ -236,6 +236,32 @@ def test_on_policy_rows_are_drawn_several_steps_at_a_time(tiny_family):
     assert inputs[0, 3:6].tolist() == now.tokens[0, 3:6].tolist()
 
 
+def test_rollouts_written_by_the_target(tiny_family):
+    """`--rollouts target`: the fresh rows of an on-policy step are the target's continuations
+    (the distribution a served context follows), not the student's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from models.distill import DistillData, student_rollouts
+    from models.distill_train import _Rollouts
+
+    student = load_model(tiny_family["draft"]).model.eval()
+    target = load_model(tiny_family["target"]).model.eval()
+    with torch.no_grad():                      # a student that continues otherwise than the target
+        for w in student.parameters():
+            w.mul_(-1)
+    data = DistillData.from_rows([([3 + i, 8, 9 + i], [4, 4, 4, 4], f"c{i}") for i in range(4)])
+    pool = _Rollouts(data, size=2, seed=0, temperature=0.0, steps_per_draw=1)
+    inputs, labels, mask, _, _ = pool.batch(SimpleNamespace(module=student), 0, target)
+    rows = torch.cat([inputs, labels[:, -1:]], 1)
+    for row, m in zip(rows, mask):
+        k = next(k for k in range(4) if data.tokens[k, :3].tolist() == row[:3].tolist())
+        by_target = student_rollouts(target, data.subset([k]), 4, 0.0).tokens[0].tolist()
+        by_student = student_rollouts(student, data.subset([k]), 4, 0.0).tokens[0].tolist()
+        assert row[:int(m.sum()) + 1].tolist() == by_target != by_student
+
+
 def test_the_share_of_on_policy_steps():
     from models.distill_train import _on_policy_step
 
@@ -479,13 +505,14 @@ def test_bad_options_are_refused_before_anything_runs(tiny_family, prompts, tmp_
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("kwargs", [{"divergence": "js"}, {"on_policy": 1.5}])
+@pytest.mark.parametrize("kwargs", [{"divergence": "js"}, {"on_policy": 1.5}, {"rollouts": "teacher"},
+                                    {"anneal": 2.0}])
 def test_an_unknown_objective_is_refused_before_any_model_loads(tmp_path, kwargs):
     from models.distill import DistillData
     from models.distill_train import run_distill
 
     data = DistillData.from_rows([([1, 2], [3], "code")])
-    with pytest.raises(ValueError, match="divergence|on_policy"):
+    with pytest.raises(ValueError, match="divergence|on_policy|rollouts|anneal"):
         run_distill(tmp_path / "no-target", tmp_path / "no-draft", data, tmp_path / "out", steps=1, **kwargs)
     assert not (tmp_path / "out").exists()
 
