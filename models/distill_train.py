@@ -7,6 +7,7 @@ DeepSpeed checkpoints (resumed from `OUT/checkpoints`), the output folder and it
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -332,6 +333,9 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, ob
            if steps else tqdm(total=round(budget_s), initial=round(elapsed), unit="s", desc=f"distil {role}"))
     start, last_ckpt, recent = time.monotonic() - elapsed, time.monotonic(), []
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else None
+    writer = None                     # the target writes the fresh rows, in the training's dtype
+    if objective.rollouts == "target":
+        writer = copy.deepcopy(target).to(dtype) if dtype is not None else target
     last_eval = time.monotonic()
     peaks = list(getattr(engine.lr_scheduler, "max_lrs", None)      # the warm-up's peak
                  or [g["lr"] for g in engine.optimizer.param_groups])
@@ -344,7 +348,7 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, ob
             last_eval = time.monotonic()
         step = engine.global_steps
         if _on_policy_step(seed_r, step, objective.on_policy):
-            batch = rollouts.batch(engine, step, target if objective.rollouts == "target" else None)
+            batch = rollouts.batch(engine, step, writer)
         else:
             batch = _batch(train, teacher.values, teacher.ids, size, seed_r, step)
         recent = (recent + [_step(engine, target, batch, objective, dtype)])[-20:]

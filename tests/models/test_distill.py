@@ -54,7 +54,7 @@ def test_deepspeed_runs_the_steps_and_acceptance_rises(distilled):
     assert ds["optimizer"] == "DeepSpeedZeroOptimizer"    # ZeRO stage 1 from the default config
     assert ds["inner_optimizer"] == "AdamW" and ds["zero_stage"] == 1
     # served at T = 1 only: total variation on the draft's own continuations (0035), no top-k cache
-    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0}
+    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0, "rollouts": "student"}
     assert report["data"]["teacher_top_k"] == 0
     before, after = report["heldout"]["before"], report["heldout"]["after"]
     assert set(before) == {"all", "chat", "code", "prose"}
@@ -279,7 +279,7 @@ def test_an_on_policy_total_variation_run(tiny_family, prompts, tmp_path):
     assert _distill(tiny_family, prompts, out, "--steps", "6", "--top-k", "0", "--divergence", "tv",
                     "--on-policy", "1") == 0
     report = json.loads((out / "distill.json").read_text())
-    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0}
+    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0, "rollouts": "student"}
     assert report["deepspeed"]["global_steps"] == 6
     assert 0 < report["train"]["final_divergence"] < 1          # a total variation
 
@@ -455,7 +455,8 @@ def test_several_temperatures_and_a_guard_set(tiny_family, prompts, tmp_path):
                     "--samples", "2", "--guard-prompts", str(guard), "--replay", "4") == 0
     report = json.loads((out / "distill.json").read_text())
     assert report["temperature"] == [0.0, 1.0] and report["loss_temperature"] == 1.0
-    assert report["objective"] == {"divergence": "kl", "on_policy": 0.0}     # greedy served too
+    assert report["objective"] == {"divergence": "kl", "on_policy": 0.0,       # greedy served too
+                                   "rollouts": "student"}
     before = report["heldout"]["before"]
     assert {"chat@T0", "chat@T1", "code@T0", "prose@T1", "all@T0", "all@T1", "all"} <= set(before)
     for cls in ("chat", "code", "prose", "all"):
