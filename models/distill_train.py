@@ -158,18 +158,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     trained_s, recent = _train(engine, ckpt, target.model, split.train, teacher, objective, best,
                                budget, seed, role, log)
     best.offer(engine.global_steps, engine.module)
-    kept = load_model(student_path).model.float()
-    kept.load_state_dict(best.state() or engine.module.state_dict())
-    log(f"kept the weights of step {best.step} (validation acceptance {best.score:.4f})")
-    save_hf(kept, Path(target_path), out)
-    reloaded = load_model(out).model
-    after = served_acceptance(target.model, reloaded, split.held, temps)
-    log("held-out after:  " + _fmt(after))
-    guard = None
-    if guard_data is not None:
-        guard_after = served_acceptance(target.model, reloaded, guard_data, temps)
-        log("guard set after:  " + _fmt(guard_after))
-        guard = {"before": guard_before, "after": guard_after, "delta": _delta(guard_before, guard_after)}
+    after, guard = _keep(best, engine, student_path, target, out, split.held, guard_data,
+                         guard_before, temps, log)
     report = {"role": role, "target": str(target.path), "student": str(student.path),
               "temperature": temps[0] if len(temps) == 1 else temps, "loss_temperature": t_loss,
               "objective": {"divergence": objective.divergence, "on_policy": objective.on_policy,
@@ -190,6 +180,26 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
               "guard": guard, "drops": drops or {}}
     write_report(out, report)
     return report
+
+
+def _keep(best: Best, engine, student_path, target, out: Path, held: DistillData,
+          guard_data: DistillData | None, guard_before: dict | None, temps: list[float],
+          log) -> tuple[dict, dict | None]:
+    """The kept weights written to `out` as the student's checkpoint, reloaded and scored on
+    the held-out rows and the guard set: (held-out after, the guard's before/after/delta)."""
+    kept = load_model(student_path).model.float()
+    kept.load_state_dict(best.state() or engine.module.state_dict())
+    log(f"kept the weights of step {best.step} (validation acceptance {best.score:.4f})")
+    save_hf(kept, Path(target.path), out)
+    reloaded = load_model(out).model
+    after = served_acceptance(target.model, reloaded, held, temps)
+    log("held-out after:  " + _fmt(after))
+    if guard_data is None:
+        return after, None
+    guard_after = served_acceptance(target.model, reloaded, guard_data, temps)
+    log("guard set after:  " + _fmt(guard_after))
+    return after, {"before": guard_before, "after": guard_after,
+                   "delta": _delta(guard_before, guard_after)}
 
 
 @dataclass
