@@ -58,9 +58,9 @@ def guarded_best(history: list[list], max_drop: float = MAX_DROP,
                  drops: dict[str, float] | None = None) -> list | None:
     """[step, score] of the best-scoring offer in `history` ([step, score, {class: acceptance}],
     the first one the student as given) whose classes each stay within `max_drop` (or the
-    class's own in `drops`) of the first's; the earliest of equal scores. Early stopping by the overall score alone keeps
-    weights the swap's guard then refuses: a round on traffic's classes lifts them for hundreds
-    of steps while the replayed class falls after the first few dozen
+    class's own in `drops`) of the first's; the earliest of equal scores. By the overall score
+    alone, early stopping keeps weights the swap's guard then refuses: the traffic's classes
+    keep rising while the replayed class has already fallen
     (docs/decisions/0033-alignment-loop.md)."""
     if not history:
         return None

@@ -2,16 +2,17 @@
 
 `models.distill.distill_loss` with the teacher's log-probs over the whole vocabulary (the
 on-policy steps, where the teacher scores the student's continuations in the step) spends most
-of a small draft's step in autograd's element-wise passes over [positions, vocabulary]: a
-reference-py draft's forward is 0.03 s of a 0.6 s step. Here the loss and its gradient are
-computed together, a block of positions at a time, skipping the positions the mask leaves out:
+of a small draft's step in autograd's element-wise passes over [positions, vocabulary], many
+times its forward (docs/decisions/0035-sampled-objective.md). Here the loss and its gradient
+are computed together, a block of positions at a time, skipping the positions the mask leaves
+out:
 
   q = softmax(z / T), p = the teacher's, s = sign(p - q)
   total variation  1/2 sum |p - q|        d/dz = -q (s - sum(s q)) / (2 T)
   forward KL       sum p (log p - log q)  d/dz = (q - p) / T
   cross-entropy    -log softmax(z)[y]      d/dz = softmax(z) - onehot(y)
 
-The same values and gradients as autograd's (tests/models/test_distill.py), in one pass.
+The same values and gradients as autograd's (tests/models/test_distill_objective.py).
 """
 
 from __future__ import annotations

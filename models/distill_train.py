@@ -113,9 +113,9 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     `minutes` bounds the training time, previous attempts included. Every `eval_every_s` the
     student is scored on a validation share of the training prompts (`validation`; never the
     held-out ones) at the served temperature, and the best-scoring weights whose classes each
-    stay within the swap guard's drop are what `out` gets (`models/distill_best.py`; early stopping: a
-    small draft memorises a few hundred prompts' continuations and gets worse on new prompts,
-    docs/decisions/0020-aligned-drafts.md). With several served
+    stay within the swap guard's drop are what `out` gets (`models/distill_best.py`; early
+    stopping: a small draft memorises a few hundred prompts' continuations and gets worse on
+    new prompts, docs/decisions/0020-aligned-drafts.md). With several served
     temperatures (a list) `data`'s rows are labelled `class@T..` (`models.distill.at_temperature`)
     and each is scored at its own. `guard_data` (other traffic the draft serves, never trained
     on) is scored before and after as well, for the swap's guard. `divergence` is the loss

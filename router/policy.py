@@ -97,8 +97,8 @@ class PolicyConfig:
     kv_low_water: float = 0.10  # fraction of the KV budget a speculative admission must leave free
     default_acceptance: float = 0.6  # prior when a prompt class has no live estimate yet
     probe_share: float = 0.02  # auto requests drawn as probes: they speculate where their
-    #   class's acceptance says it does not pay, so the estimate follows the draft and the
-    #   traffic (a class's acceptance is learnt from speculative requests alone)
+    #   class's acceptance or the engine's verdict says drafting does not pay, so both keep
+    #   being measured (each is learnt from speculative requests alone)
 
     def __post_init__(self) -> None:
         """Checked where the config is loaded (`router.config.AppConfig.policy`)."""
