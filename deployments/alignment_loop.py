@@ -72,6 +72,19 @@ def _figures(classes: dict[str, ClassLive]) -> dict:
 _PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
 
 
+GROUP_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                   "LOCAL_WORLD_SIZE")
+
+
+def round_env(threads: int) -> dict[str, str]:
+    """The round's environment: this process's, with `threads` OpenMP threads and without a
+    process group's rank variables. A round is a DeepSpeed group of one of its own; the port a
+    distillation in this process once took (models/distill.py: init_deepspeed) is still held
+    here, and a round that inherited it could not listen on it."""
+    env = {k: v for k, v in os.environ.items() if k not in GROUP_VARIABLES}
+    return {**env, "OMP_NUM_THREADS": str(threads)}
+
+
 def _round_child(niceness: int) -> None:
     """In the round's process before it runs: lower its priority, and have the kernel kill it
     when the loop's process dies (a round stopped by the throttle would otherwise stay stopped,
@@ -231,7 +244,7 @@ class Loop:
         out = self.dir / f"round-{self.round:03d}"
         out.mkdir(parents=True, exist_ok=True)
         cmd = self.round_command(out)
-        env = {**os.environ, "OMP_NUM_THREADS": str(r.threads)}
+        env = round_env(r.threads)
         log = (out / "round.log").open("ab")
         self.proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True,

@@ -1,6 +1,7 @@
 """The alignment loop's state after a round ends (deployments/alignment_loop.py), without Ray."""
 
 import asyncio
+import json
 import os
 import sys
 import types
@@ -113,6 +114,36 @@ def test_a_throttled_round_runs_its_share_of_each_cycle_and_is_never_left_stoppe
     stopped = states.count("T") / len(states)
     assert 0.5 <= stopped <= 0.95, states
     assert after != "T"
+
+
+def test_a_round_is_a_process_group_of_its_own(tmp_path, monkeypatch):
+    """A distillation once run in the loop's process leaves its group's rank variables and a
+    port it still listens on (models/distill.py: init_deepspeed); the round must not inherit
+    them (it failed with EADDRINUSE), and runs with the round's thread count."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+    monkeypatch.setenv("RANK", "0")
+    loop = _loop(tmp_path, cpu_share=1.0, threads=3)
+    loop.serving = str(tmp_path / "draft")
+    seen = tmp_path / "env.json"
+    monkeypatch.setattr(loop, "round_command", lambda out: [
+        sys.executable, "-c", f"import json, os; open({str(seen)!r}, 'w').write(json.dumps(dict(os.environ)))"])
+
+    async def run() -> None:
+        await loop._start_round()
+        await loop.proc.wait()
+
+    try:
+        asyncio.run(run())
+    finally:
+        held.close()
+    env = json.loads(seen.read_text())
+    assert "MASTER_PORT" not in env and "RANK" not in env
+    assert env["OMP_NUM_THREADS"] == "3" and env["PATH"] == os.environ["PATH"]
 
 
 def test_a_round_dies_with_the_loops_process(tmp_path):
