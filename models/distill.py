@@ -18,6 +18,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -189,13 +190,25 @@ def student_rollouts(student, data: DistillData, new_tokens: int, temperature: f
     return DistillData.from_rows(rows)
 
 
-def default_objective(temperatures: float | list[float]) -> tuple[str, float]:
-    """(divergence, on-policy share) where none is given: total variation on the draft's own
-    continuations where every served temperature samples, forward KL on the target's
-    continuations where greedy requests are served (argmax agreement is what is accepted then);
-    measured in docs/decisions/0035-sampled-objective.md."""
+class Recipe(NamedTuple):
+    """The objective a run takes where none is given (`default_objective`)."""
+
+    divergence: str               # "kl" or "tv" (`distill_loss`)
+    on_policy: float              # the share of steps on fresh continuations
+    rollouts: str                 # who writes them: "student" or "target"
+    anneal: float                 # the budget's last share that takes the learning rate to 0
+
+
+def default_objective(temperatures: float | list[float]) -> Recipe:
+    """The objective where none is given. Where every served temperature samples: total
+    variation (1 - acceptance) on fresh continuations the target writes through the engine, the
+    learning rate annealed over the last 40% of the budget. Where greedy requests are served:
+    forward KL on the target's cached continuations (argmax agreement is what is accepted then),
+    no anneal. Both measured in docs/decisions/0035-sampled-objective.md and 0020."""
     temps = [temperatures] if isinstance(temperatures, (int, float)) else temperatures
-    return ("tv", 1.0) if min(temps) >= GREEDY_BELOW else ("kl", 0.0)
+    if min(temps) >= GREEDY_BELOW:
+        return Recipe("tv", 1.0, "target", 0.4)
+    return Recipe("kl", 0.0, "student", 0.0)
 
 
 def loss_temperature(temperatures: float | list[float]) -> float:

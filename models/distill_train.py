@@ -7,7 +7,6 @@ DeepSpeed checkpoints (resumed from `OUT/checkpoints`), the output folder and it
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from dataclasses import dataclass
@@ -17,23 +16,18 @@ import torch
 
 from models.distill import (DIVERGENCES, DistillData, default_ds_config, default_objective, distill_loss,
                             init_deepspeed, loss_temperature, save_hf, served_acceptance, split_heldout,
-                            student_rollouts, teacher_topk, write_report)
+                            teacher_topk, write_report)
 from models.distill_best import Best
+from models.distill_rollouts import Rollouts, TargetWriter, step_rows
 from models.loader import check_compatible, eos_token_ids, load_model
 
 KEEP_CHECKPOINTS = 2
-
-
-def _rows(data: DistillData, n: int, seed: int, step: int) -> torch.Tensor:
-    """`n` row indices for global step `step`, chosen from (seed, step) alone, so a resumed run
-    draws what an uninterrupted one would have."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return torch.randint(len(data.classes), (n,), generator=g)
+TARGET_STEPS_PER_DRAW = 16      # the target does not change while the student trains: draw more
 
 
 def _batch(data: DistillData, values, ids, size: int, seed: int, step: int):
-    """The batch of global step `step` (its rows from `_rows`)."""
-    rows = _rows(data, size, seed, step)
+    """The batch of global step `step` (its rows from `step_rows`)."""
+    rows = step_rows(data, size, seed, step)
     sub = data.subset(rows.tolist())
     length = int(sub.lengths.max())
     tokens = sub.tokens[:, :length]
@@ -41,46 +35,6 @@ def _batch(data: DistillData, values, ids, size: int, seed: int, step: int):
         return tokens[:, :-1], tokens[:, 1:], sub.loss_mask()[:, :length - 1], None, None
     return (tokens[:, :-1], tokens[:, 1:], sub.loss_mask()[:, :length - 1],
             values[rows, :length - 1], ids[rows, :length - 1])
-
-
-class _Rollouts:
-    """On-policy rows: `_batch`'s kind of rows whose continuations the student being trained
-    writes itself (`student_rollouts`, as long as the target's), made `steps_per_draw` steps' worth
-    at a time (one generation of a larger batch costs about what one of a step's batch does;
-    the rows of a draw are at most that many steps behind the student). The teacher scores
-    them in the step. A resumed run samples its rows afresh."""
-
-    def __init__(self, data: DistillData, size: int, seed: int, temperature: float,
-                 eos_ids: tuple[int, ...] = (), steps_per_draw: int = 4):
-        self.data, self.size, self.seed, self.temperature = data, size, seed, temperature
-        self.eos_ids = eos_ids
-        self.steps_per_draw = steps_per_draw
-        self.new_tokens = int((data.lengths - data.prompt_lens).max())
-        self.pool: list[DistillData] = []
-
-    def batch(self, engine, step: int, writer=None):
-        """The rows of `step`: the student's own continuations, or `writer`'s (the target's:
-        fresh samples of the distribution served contexts follow)."""
-        if not self.pool:
-            self._draw(writer if writer is not None else engine.module, step)
-        sub = self.pool.pop()
-        return sub.tokens[:, :-1], sub.tokens[:, 1:], sub.loss_mask(), None, None
-
-    def _draw(self, module, step: int) -> None:
-        n = self.size * self.steps_per_draw
-        rows = _rows(self.data, n, self.seed, step).tolist()
-        torch.manual_seed(self.seed * 1_000_003 + step)       # the sampling, too
-        drawn = student_rollouts(module, self.data.subset(rows), self.new_tokens, self.temperature,
-                                 self.eos_ids)
-        for s in range(0, n, self.size):
-            part = drawn.subset(list(range(s, s + self.size)))
-            self.pool.append(_trimmed(part))
-
-
-def _trimmed(data: DistillData) -> DistillData:
-    """`data` without the padding columns its longest row does not need."""
-    width = int(data.lengths.max())
-    return DistillData(data.tokens[:, :width], data.lengths, data.prompt_lens, data.classes)
 
 
 def _on_policy_step(seed: int, step: int, share: float) -> bool:
@@ -106,7 +60,7 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                 validation: float = 0.05, eval_every_s: float = 60.0,
                 guard_data: DistillData | None = None, divergence: str | None = None,
                 on_policy: float | None = None, drops: dict[str, float] | None = None,
-                anneal: float = 0.0, rollouts: str = "student", log=print) -> dict:
+                anneal: float | None = None, rollouts: str | None = None, log=print) -> dict:
     """Train the student in `student_path` towards the target on `data`; write `out`.
 
     `steps` counts DeepSpeed optimizer steps in total (a resumed run continues to it);
@@ -119,17 +73,16 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     temperatures (a list) `data`'s rows are labelled `class@T..` (`models.distill.at_temperature`)
     and each is scored at its own. `guard_data` (other traffic the draft serves, never trained
     on) is scored before and after as well, for the swap's guard. `divergence` is the loss
-    (`models.distill.distill_loss`); `on_policy` is the share of steps whose continuations the
-    student writes itself at the (highest) served temperature, scored by the target in the step;
-    either left None takes `models.distill.default_objective`'s. `drops` allows a class
-    (e.g. `replay`) a larger drop than the swap guard's MAX_DROP, in the kept step's choice
-    and in the guard that reads the report. `anneal`: the last share of the budget takes the
-    learning rate linearly to 0. Returns the report.
+    (`models.distill.distill_loss`); `on_policy` is the share of steps on fresh continuations
+    at the (highest) served temperature, scored by the target in the step; `rollouts` says who
+    writes them (the student itself, or the target through the engine); `anneal`: the last share
+    of the budget takes the learning rate linearly to 0; each left None takes
+    `models.distill.default_objective`'s. `drops` allows a class (e.g. `replay`) a larger drop
+    than the swap guard's MAX_DROP, in the kept step's choice and in the guard that reads the
+    report. Returns the report.
     """
     temps = [temperature] if isinstance(temperature, (int, float)) else list(temperature)
-    objective = _Objective.of(divergence, on_policy, temps, rollouts)
-    if not 0 <= anneal <= 1:
-        raise ValueError(f"anneal is a share of the budget in [0, 1], got {anneal}")
+    objective = _Objective.of(divergence, on_policy, temps, rollouts, anneal)
     if not steps and not minutes:
         raise ValueError("give a budget: steps or minutes")
     out = Path(out)
@@ -154,9 +107,9 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
         best.offer(0, model)         # no training step beats it
     engine, optimizer, _ = init_deepspeed(model, config)
     budget = _Budget(steps, minutes * 60 if minutes else None, checkpoint_every_s, eval_every_s,
-                     anneal)
+                     objective.anneal)
     trained_s, recent = _train(engine, ckpt, target.model, split.train, teacher, objective, best,
-                               budget, seed, role, log)
+                               budget, seed, role, log, objective.writer(target.path, seed))
     best.offer(engine.global_steps, engine.module)
     after, guard = _keep(best, engine, student_path, target, out, split.held, guard_data,
                          guard_before, temps, log)
@@ -173,7 +126,7 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
                         "final_divergence": round(sum(recent) / max(1, len(recent)), 4)
                         if recent else None,
                         "kept_step": best.step, "validation_rows": len(split.val_idx),
-                        "anneal": anneal,
+                        "anneal": objective.anneal,
                         "last_lr": [g["lr"] for g in engine.optimizer.param_groups][0],
                         "validation": best.history},
               "heldout": {"before": before, "after": after, "delta": _delta(before, after)},
@@ -254,30 +207,41 @@ class _Teacher:
 class _Objective:
     """What a step minimises: the divergence at the loss temperature, and the share of steps on
     fresh continuations (sampled at `rollout_temperature`) written by `rollouts`: the student
-    itself, or the target."""
+    itself, or the target; and the budget's last share that anneals the learning rate."""
 
     divergence: str
     t_loss: float
     on_policy: float
     rollout_temperature: float
     rollouts: str = "student"
+    anneal: float = 0.0
     rollout_eos: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, divergence: str | None, on_policy: float | None, temps: list[float],
-           rollouts: str = "student") -> "_Objective":
+           rollouts: str | None = None, anneal: float | None = None) -> "_Objective":
         """The given choices, `default_objective`'s where None, for the served `temps`; refused
         before any model loads when out of range."""
         chosen = default_objective(temps)
-        divergence = divergence or chosen[0]
-        on_policy = chosen[1] if on_policy is None else on_policy
+        divergence = divergence or chosen.divergence
+        on_policy = chosen.on_policy if on_policy is None else on_policy
+        rollouts = rollouts or chosen.rollouts
+        anneal = chosen.anneal if anneal is None else anneal
         if divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
         if not 0 <= on_policy <= 1:
             raise ValueError(f"on_policy is a share of steps in [0, 1], got {on_policy}")
         if rollouts not in ("student", "target"):
             raise ValueError(f"rollouts are written by the student or the target, got {rollouts!r}")
-        return cls(divergence, loss_temperature(temps), on_policy, max(temps), rollouts)
+        if not 0 <= anneal <= 1:
+            raise ValueError(f"anneal is a share of the budget in [0, 1], got {anneal}")
+        return cls(divergence, loss_temperature(temps), on_policy, max(temps), rollouts, anneal)
+
+    def writer(self, target_path, seed: int) -> TargetWriter | None:
+        """The engine that writes the fresh rows where the target does, else None."""
+        if self.rollouts != "target" or self.on_policy <= 0:
+            return None
+        return TargetWriter(target_path, torch.get_num_threads(), seed=seed)
 
 
 @dataclass
@@ -324,10 +288,12 @@ def _measured_once(path: Path, measure) -> tuple[dict, bool]:
 
 
 def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, objective: _Objective,
-           best: "Best", budget: _Budget, seed: int, role: str, log) -> tuple[float, list[float]]:
+           best: "Best", budget: _Budget, seed: int, role: str, log,
+           writer: TargetWriter | None = None) -> tuple[float, list[float]]:
     """DeepSpeed steps from the last checkpoint in `ckpt` until the budget is spent, offering the
     student to `best` every eval_every_s and checkpointing every checkpoint_every_s and at the
-    end: (seconds trained, previous attempts included; the last steps' divergence)."""
+    end: (seconds trained, previous attempts included; the last steps' divergence). `writer`
+    writes the on-policy rows where the target does (`--rollouts target`)."""
     from tqdm.auto import tqdm
 
     elapsed = 0.0
@@ -338,14 +304,12 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, ob
     steps, budget_s = budget.steps, budget.seconds
     size = engine.train_micro_batch_size_per_gpu()
     seed_r = seed + 7919 * engine.global_rank
-    rollouts = _Rollouts(train, size, seed_r, objective.rollout_temperature, objective.rollout_eos)
+    rollouts = Rollouts(train, size, seed_r, objective.rollout_temperature, objective.rollout_eos,
+                        TARGET_STEPS_PER_DRAW if writer else 4, writer)
     bar = (tqdm(total=steps, initial=engine.global_steps, unit="step", desc=f"distil {role}")
            if steps else tqdm(total=round(budget_s), initial=round(elapsed), unit="s", desc=f"distil {role}"))
     start, last_ckpt, recent = time.monotonic() - elapsed, time.monotonic(), []
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else None
-    writer = None                     # the target writes the fresh rows, in the training's dtype
-    if objective.rollouts == "target":
-        writer = copy.deepcopy(target).to(dtype) if dtype is not None else target
     last_eval = time.monotonic()
     peaks = list(getattr(engine.lr_scheduler, "max_lrs", None)      # the warm-up's peak
                  or [g["lr"] for g in engine.optimizer.param_groups])
@@ -358,7 +322,7 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, ob
             last_eval = time.monotonic()
         step = engine.global_steps
         if _on_policy_step(seed_r, step, objective.on_policy):
-            batch = rollouts.batch(engine, step, writer)
+            batch = rollouts.batch(engine, step)
         else:
             batch = _batch(train, teacher.values, teacher.ids, size, seed_r, step)
         recent = (recent + [_step(engine, target, batch, objective, dtype)])[-20:]

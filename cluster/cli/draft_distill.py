@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 
@@ -58,15 +57,16 @@ def add_arguments(p) -> None:
                    help="the loss: forward KL to the target, or total variation (1 - acceptance); "
                         "default: tv where every served temperature samples, else kl")
     p.add_argument("--on-policy", type=_share, default=None, metavar="SHARE",
-                   help="share of steps trained on the draft's own continuations, scored by the "
-                        "target; default: 1 where every served temperature samples, else 0")
-    p.add_argument("--rollouts", choices=("student", "target"), default="student",
+                   help="share of steps trained on fresh continuations (--rollouts), scored by "
+                        "the target; default: 1 where every served temperature samples, else 0")
+    p.add_argument("--rollouts", choices=("student", "target"), default=None,
                    help="who writes the on-policy steps' fresh continuations: the draft itself, "
-                        "or the target (the distribution served contexts follow)")
+                        "or the target through the engine (the distribution served contexts "
+                        "follow); default: the target")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the default config")
-    p.add_argument("--anneal", type=_share, default=0.0, metavar="SHARE",
+    p.add_argument("--anneal", type=_share, default=None, metavar="SHARE",
                    help="the last SHARE of the budget (steps, or time) takes the learning rate "
-                        "linearly to 0")
+                        "linearly to 0; default: 0.4 where every served temperature samples, else 0")
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch of the default config")
 
 
@@ -117,40 +117,13 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def generate(target: str, prompts: list[list[int]], new_tokens: int, temperature: float,
-             seed: int, threads: int, log=print, max_num_seqs: int = 32) -> list[list[int]]:
-    """The target's continuation of every prompt, through the engine (baseline mode, batched)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import Mode, RequestOptions, SamplingParams
-
-    engine = LLMEngine(EngineConfig(target=target, profile=False, num_threads=threads,
-                                    max_num_seqs=max_num_seqs, max_waiting=len(prompts) + 1, seed=seed))
-    outs: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, max_tokens=new_tokens, seed=seed * 100_003 + i)
-        engine.add_request(str(i), ids, params, RequestOptions(mode=Mode.BASELINE))
-        outs[str(i)] = []
-    from tqdm.auto import tqdm
-
-    start = time.monotonic()
-    bar = tqdm(total=len(prompts), unit="prompt", desc="target continuations")
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs[out.request_id] += out.token_ids
-            bar.update(int(out.finished))
-    bar.close()
-    n = sum(map(len, outs.values()))
-    log(f"target generated {n} tokens for {len(prompts)} prompts in {time.monotonic() - start:.0f} s")
-    return [outs[str(i)] for i in range(len(prompts))]
-
-
 def prepare_data(args, source: str, name: str = "data.pt", log=print):
     """The target's continuations of `source`'s prompts at each served temperature (`--samples`
     each; one at temperature 0, where they would all be the same), cached in OUT/`name`."""
     from engine.sampling_params import GREEDY_BELOW
     from models.distill import DistillData, at_temperature
     from models.distill_prompts import read_prompts, select_prompts
+    from models.distill_rollouts import generate
     from models.loader import load_tokenizer
 
     out = Path(args.out)

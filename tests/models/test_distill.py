@@ -53,9 +53,11 @@ def test_deepspeed_runs_the_steps_and_acceptance_rises(distilled):
     assert ds["global_steps"] == 60                       # DeepSpeed's own step counter
     assert ds["optimizer"] == "DeepSpeedZeroOptimizer"    # ZeRO stage 1 from the default config
     assert ds["inner_optimizer"] == "AdamW" and ds["zero_stage"] == 1
-    # served at T = 1 only: total variation on the draft's own continuations (0035), no top-k cache
-    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0, "rollouts": "student"}
+    # served at T = 1 only: total variation on the target's fresh continuations (0035), no
+    # top-k cache, the learning rate annealed over the last 40%
+    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0, "rollouts": "target"}
     assert report["data"]["teacher_top_k"] == 0
+    assert report["train"]["anneal"] == 0.4 and report["train"]["last_lr"] < 1e-5
     before, after = report["heldout"]["before"], report["heldout"]["after"]
     assert set(before) == {"all", "chat", "code", "prose"}
     assert after["all"]["kl"] < 0.7 * before["all"]["kl"]
@@ -96,14 +98,15 @@ def test_refuses_a_tokenizer_that_differs(tiny_family, prompts, tmp_path, capsys
     assert "vocabulary" in capsys.readouterr().err
 
 
-def test_an_on_policy_total_variation_run(tiny_family, prompts, tmp_path):
-    """--divergence tv --on-policy 1: every step on the draft's own continuations, scored by
-    the target in the step; the report names the objective."""
+@pytest.mark.parametrize("rollouts", ["student", "target"])
+def test_an_on_policy_total_variation_run(tiny_family, prompts, tmp_path, rollouts):
+    """--divergence tv --on-policy 1: every step on fresh continuations (the draft's own, or the
+    target's through the engine), scored by the target in the step; the report names the objective."""
     out = tmp_path / "tv"
     assert _distill(tiny_family, prompts, out, "--steps", "6", "--top-k", "0", "--divergence", "tv",
-                    "--on-policy", "1") == 0
+                    "--on-policy", "1", "--rollouts", rollouts) == 0
     report = json.loads((out / "distill.json").read_text())
-    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0, "rollouts": "student"}
+    assert report["objective"] == {"divergence": "tv", "on_policy": 1.0, "rollouts": rollouts}
     assert report["deepspeed"]["global_steps"] == 6
     assert 0 < report["train"]["final_divergence"] < 1          # a total variation
 
@@ -261,6 +264,7 @@ def test_several_temperatures_and_a_guard_set(tiny_family, prompts, tmp_path):
     assert report["temperature"] == [0.0, 1.0] and report["loss_temperature"] == 1.0
     assert report["objective"] == {"divergence": "kl", "on_policy": 0.0,       # greedy served too
                                    "rollouts": "student"}
+    assert report["train"]["anneal"] == 0.0
     before = report["heldout"]["before"]
     assert {"chat@T0", "chat@T1", "code@T0", "prose@T1", "all@T0", "all@T1", "all"} <= set(before)
     for cls in ("chat", "code", "prose", "all"):

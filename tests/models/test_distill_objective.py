@@ -122,11 +122,11 @@ def test_on_policy_rows_are_drawn_several_steps_at_a_time(tiny_family):
     import torch
 
     from models.distill import DistillData, student_rollouts
-    from models.distill_train import _Rollouts
+    from models.distill_rollouts import Rollouts
 
     student = load_model(tiny_family["draft"]).model.eval()
     data = DistillData.from_rows([([3 + i, 8, 9 + i], [4, 4, 4, 4], f"c{i}") for i in range(5)])
-    pool = _Rollouts(data, size=2, seed=0, temperature=0.0, steps_per_draw=3)
+    pool = Rollouts(data, size=2, seed=0, temperature=0.0, steps_per_draw=3)
     engine = SimpleNamespace(module=student)
     seen = [pool.batch(engine, step) for step in range(3)]
     assert not pool.pool
@@ -150,13 +150,14 @@ def test_on_policy_rows_are_drawn_several_steps_at_a_time(tiny_family):
 
 def test_rollouts_written_by_the_target(tiny_family):
     """`--rollouts target`: the fresh rows of an on-policy step are the target's continuations
-    (the distribution a served context follows), not the student's."""
+    through the engine (the distribution a served context follows), not the student's; a draw
+    serves `steps_per_draw` steps."""
     from types import SimpleNamespace
 
     import torch
 
-    from models.distill import DistillData, student_rollouts
-    from models.distill_train import _Rollouts
+    from models.distill import DistillData
+    from models.distill_rollouts import Rollouts, TargetWriter
 
     student = load_model(tiny_family["draft"]).model.eval()
     target = load_model(tiny_family["target"]).model.eval()
@@ -164,14 +165,37 @@ def test_rollouts_written_by_the_target(tiny_family):
         for w in student.parameters():
             w.mul_(-1)
     data = DistillData.from_rows([([3 + i, 8, 9 + i], [4, 4, 4, 4], f"c{i}") for i in range(4)])
-    pool = _Rollouts(data, size=2, seed=0, temperature=0.0, steps_per_draw=1)
-    inputs, labels, mask, _, _ = pool.batch(SimpleNamespace(module=student), 0, target)
-    rows = torch.cat([inputs, labels[:, -1:]], 1)
-    for row, m in zip(rows, mask):
-        k = next(k for k in range(4) if data.tokens[k, :3].tolist() == row[:3].tolist())
-        by_target = student_rollouts(target, data.subset([k]), 4, 0.0).tokens[0].tolist()
-        by_student = student_rollouts(student, data.subset([k]), 4, 0.0).tokens[0].tolist()
-        assert row[:int(m.sum()) + 1].tolist() == by_target != by_student
+    pool = Rollouts(data, size=2, seed=0, temperature=0.0, steps_per_draw=2,
+                    writer=TargetWriter(tiny_family["target"], threads=1))
+    batches = [pool.batch(SimpleNamespace(module=student), step) for step in range(2)]
+    assert not pool.pool
+    for inputs, labels, mask, _, _ in batches:
+        for row, m in zip(torch.cat([inputs, labels[:, -1:]], 1), mask):
+            k = next(k for k in range(4) if data.tokens[k, :3].tolist() == row[:3].tolist())
+            ids = data.tokens[k, :3].tolist()
+            with torch.no_grad():                      # the target's greedy continuation
+                for _ in range(4):
+                    ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            assert row[:int(m.sum()) + 1].tolist() == ids
+    one = DistillData.from_rows([([5, 9, 17], [4] * 8, "c")])    # sampled: every row its own draw
+    pool = Rollouts(one, size=2, seed=0, temperature=1.0, steps_per_draw=2, writer=pool.writer)
+    rows = [tuple(r.tolist()) for step in range(2)
+            for r in pool.batch(SimpleNamespace(module=student), step)[1]]
+    assert len(set(rows)) > 1
+
+
+def test_the_target_writer_samples_each_row_by_its_seed(tiny_family):
+    """At temperature 1 a row's continuation is a function of its seed alone: the same seeds
+    give the same rows whatever else is in the batch, other seeds other rows."""
+    from models.distill_rollouts import TargetWriter
+
+    writer = TargetWriter(tiny_family["target"], threads=1, max_num_seqs=2)
+    prompts = [[5, 9, 17], [11, 4], [3, 3, 3, 3]]
+    first = writer.continuations(prompts, 12, 1.0, [1, 2, 3])
+    again = writer.continuations(prompts[::-1], 12, 1.0, [3, 2, 1])
+    assert again[::-1] == first
+    other = writer.continuations(prompts, 12, 1.0, [4, 5, 6])
+    assert other != first
 
 
 def test_the_share_of_on_policy_steps():
