@@ -34,7 +34,7 @@ class TargetWriter:
     """The target's continuations through the engine: one `LLMEngine` (baseline mode, `threads`
     torch threads, `max_num_seqs` in a batch) kept for every call, each row sampled with its own
     seed, so a call's rows depend on its seeds alone. It writes rows at the speed the target is
-    served: on a small target that is about twice what `transformers`' `generate` manages."""
+    served, faster than `transformers`' `generate` (docs/decisions/0035-sampled-objective.md)."""
 
     def __init__(self, target: str, threads: int, max_num_seqs: int = 64, seed: int = 0):
         from engine.config import EngineConfig
