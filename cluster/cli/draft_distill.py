@@ -62,7 +62,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rollouts", choices=("student", "target"), default=None,
                    help="who writes the on-policy steps' fresh continuations: the draft itself, "
                         "or the target through the engine (the distribution served contexts "
-                        "follow); default: the target")
+                        "follow); default: the target where every served temperature samples")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the default config")
     p.add_argument("--anneal", type=_share, default=None, metavar="SHARE",
                    help="the last SHARE of the budget (steps, or time) takes the learning rate "
