@@ -168,9 +168,12 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(request_id, list(prompt_ids), params, options or RequestOptions())
+        if params.stop and not seq.options.detokenize:
+            raise ValueError("stop strings need detokenize")
         seq.processor = self.processors.build(params, len(prompt_ids))
         self.seqs[request_id] = seq
-        self.detok[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.detok[request_id] = Detokenizer(self.tokenizer if seq.options.detokenize else None,
+                                             params.stop)
         if seq.processor is not None and not seq.processor.ready():
             self.processors.compiling.append(seq)     # scheduled once its grammar is compiled
         else:
@@ -341,7 +344,8 @@ class LLMEngine:
         else:
             self.scheduler.trim(seq)
         return self._output(seq, new, final=reason is not None,
-                            logprobs=r.logprobs[:len(new)] if r.logprobs is not None else None)
+                            logprobs=r.logprobs[:len(new)] if r.logprobs is not None else None,
+                            logits=r.logits[:len(new)] if r.logits is not None else None)
 
     def _append_until_stop(self, seq: Sequence, tokens: list[int]):
         p = seq.params
@@ -358,7 +362,7 @@ class LLMEngine:
         return new, None
 
     def _output(self, seq: Sequence, new: list[int], final: bool,
-                logprobs: list | None = None) -> RequestOutput:
+                logprobs: list | None = None, logits=None) -> RequestOutput:
         detok = self.detok[seq.request_id]
         prompt_logprobs = None
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
@@ -380,7 +384,7 @@ class LLMEngine:
                              num_accepted_tokens=seq.num_accepted,
                              num_draft_trials=seq.num_accepted + seq.num_rejections,
                              reason=seq.reason, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, logits=logits)
 
     # ---- draft swap (between steps) ---------------------------------------------------------
     def load_draft(self, path: str):

@@ -33,6 +33,7 @@ class RequestOutput:
     error_param: str | None = None    # ... because of this request field: refused (HTTP 400)
     logprobs: list | None = None          # [TokenLogprob] per new token, when asked
     prompt_logprobs: list | None = None   # [None, TokenLogprob...] per prompt token, first output only
+    logits: object = None                 # RequestOptions.keep_logits: [new tokens, vocab] bf16 tensor
 
 
 @dataclass

@@ -130,6 +130,9 @@ class RequestOptions:
     mode: Mode = Mode.BASELINE
     k_max: int = 4          # upper bound on k per step (speculative mode); the engine adapts below it
     priority: int = 0       # higher runs first and keeps speculation longest under memory pressure
+    # In-process callers only (distillation's `TargetWriter`, models/distill_rollouts.py):
+    keep_logits: bool = False   # each output carries the target's logits of its new tokens
+    detokenize: bool = True     # False: token ids only, no text (refused with stop strings)
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)

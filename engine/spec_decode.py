@@ -47,6 +47,7 @@ class StepResult:
     draft_error: BaseException | None = None   # the draft failed this step (k was set to 0)
     logprobs: list[TokenLogprob] | None = None         # one per emitted token, if asked
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens this chunk scored, if asked
+    logits: torch.Tensor | None = None  # RequestOptions.keep_logits: [emitted, vocab] bf16 rows
 
 
 def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy: bool,
@@ -159,8 +160,9 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
                                          p, draft_q, u, rp.generators)
     failed = {id(it) for it in spec_items} if draft_error is not None else set()
     token_lp = _emitted_logprobs(sampling, ks, emitted, logits)
+    kept = _emitted_logits(sampling, ks, emitted, logits)
     results = {id(it): StepResult(it, a, t, draft_error if id(it) in failed else None,
-                                  token_lp.get(id(it)), prompt_lp.get(id(it)))
+                                  token_lp.get(id(it)), prompt_lp.get(id(it)), kept.get(id(it)))
                for it, a, t in zip(sampling, accepted, emitted)}
     return [results.get(id(it), StepResult(it, 0, [], prompt_logprobs=prompt_lp.get(id(it))))
             for it in items], times
@@ -186,24 +188,42 @@ def _verify_feed(items: list[ScheduledSeq], drafted: dict):
     return seqs, ids, pos, rows, scored
 
 
+def _emitted_rows(ks: list[int], emitted: list[list[int]], items: list[int]) -> list[int]:
+    """The rows of `logits` [sum(k+1), vocab] at which items `items` chose their emitted
+    tokens: item i's rows start at sum(k_j + 1, j < i), and its j-th emitted token (an accepted
+    draft, or the recovered / bonus token) is chosen at its row j."""
+    starts = [0]
+    for k in ks:
+        starts.append(starts[-1] + k + 1)
+    return [starts[i] + j for i in items for j in range(len(emitted[i]))]
+
+
 def _emitted_logprobs(sampling: list[ScheduledSeq], ks: list[int], emitted: list[list[int]],
                       logits: torch.Tensor) -> dict:
-    """{id(item): [TokenLogprob] per emitted token} for the items that asked. Item i's rows
-    in `logits` [sum(k+1), vocab] start at sum(k_j + 1, j < i); its j-th emitted token (an
-    accepted draft, or the recovered / bonus token) is chosen at its row j, so the verify
+    """{id(item): [TokenLogprob] per emitted token} for the items that asked. The verify
     forward already holds every value: no extra forward, and only the asking rows are scored."""
     asking = [(i, it) for i, it in enumerate(sampling) if it.seq.params.logprobs is not None]
     if not asking:
         return {}
-    starts = [0]
-    for k in ks:
-        starts.append(starts[-1] + k + 1)
-    flat = [starts[i] + j for i, _ in asking for j in range(len(emitted[i]))]
+    flat = _emitted_rows(ks, emitted, [i for i, _ in asking])
     tokens = [t for i, _ in asking for t in emitted[i]]
     tops = [it.seq.params.logprobs for i, it in asking for _ in emitted[i]]
     scored = iter(row_logprobs(logits[torch.tensor(flat, dtype=torch.long, device=logits.device)],
                                tokens, tops))
     return {id(it): [next(scored) for _ in emitted[i]] for i, it in asking}
+
+
+def _emitted_logits(sampling: list[ScheduledSeq], ks: list[int], emitted: list[list[int]],
+                    logits: torch.Tensor) -> dict:
+    """{id(item): [emitted, vocab] bfloat16} the rows each emitted token was chosen at (after
+    logits processing, before temperature), for the items that keep them."""
+    keeping = [i for i, it in enumerate(sampling) if it.seq.options.keep_logits]
+    if not keeping:
+        return {}
+    flat = _emitted_rows(ks, emitted, keeping)
+    rows = logits[torch.tensor(flat, dtype=torch.long, device=logits.device)].to(torch.bfloat16).cpu()
+    return dict(zip((id(sampling[i]) for i in keeping),
+                    rows.split([len(emitted[i]) for i in keeping])))
 
 
 def _prompt_logprobs(items: list[ScheduledSeq], scored: dict, logits: torch.Tensor) -> dict:

@@ -1,7 +1,7 @@
 """The distillation loss against the teacher's full distribution, with its gradient written out.
 
 `models.distill.distill_loss` with the teacher's log-probs over the whole vocabulary (the
-on-policy steps, where the teacher scores the student's continuations in the step) spends most
+on-policy steps, where the teacher scores fresh continuations) spends most
 of a small draft's step in autograd's element-wise passes over [positions, vocabulary], many
 times its forward (docs/decisions/0035-sampled-objective.md). Here the loss and its gradient
 are computed together, a block of positions at a time, skipping the positions the mask leaves

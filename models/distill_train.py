@@ -74,8 +74,8 @@ def run_distill(target_path: str | Path, student_path: str | Path, data: Distill
     and each is scored at its own. `guard_data` (other traffic the draft serves, never trained
     on) is scored before and after as well, for the swap's guard. `divergence` is the loss
     (`models.distill.distill_loss`); `on_policy` is the share of steps on fresh continuations
-    at the (highest) served temperature, scored by the target in the step; `rollouts` says who
-    writes them (the student itself, or the target through the engine); `anneal`: the last share
+    at the (highest) served temperature; `rollouts` says who writes them (the student, or the
+    target through the engine with its logits as the teacher's, `Rollouts`); `anneal`: the last share
     of the budget takes the learning rate linearly to 0; each left None takes
     `models.distill.default_objective`'s. `drops` allows a class (e.g. `replay`) a larger drop
     than the swap guard's MAX_DROP, in the kept step's choice and in the guard that reads the
@@ -305,7 +305,7 @@ def _train(engine, ckpt: Path, target, train: DistillData, teacher: _Teacher, ob
     size = engine.train_micro_batch_size_per_gpu()
     seed_r = seed + 7919 * engine.global_rank
     rollouts = Rollouts(train, size, seed_r, objective.rollout_temperature, objective.rollout_eos,
-                        TARGET_STEPS_PER_DRAW if writer else 4, writer)
+                        TARGET_STEPS_PER_DRAW if writer else 4, writer, objective.t_loss)
     bar = (tqdm(total=steps, initial=engine.global_steps, unit="step", desc=f"distil {role}")
            if steps else tqdm(total=round(budget_s), initial=round(elapsed), unit="s", desc=f"distil {role}"))
     start, last_ckpt, recent = time.monotonic() - elapsed, time.monotonic(), []

@@ -193,3 +193,41 @@ def test_prompt_logprobs_of_a_cached_prompt_are_all_there(make_engine, mode):
     assert len(a) == len(b) == len(prompt)
     for x, y in zip(a[1:], b[1:]):
         assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=ATOL)
+
+
+@fp32_only
+@pytest.mark.parametrize("mode", ["baseline", "speculative"])
+def test_kept_logits_are_the_rows_each_token_was_sampled_from(make_engine, hf_target, mode):
+    """`RequestOptions.keep_logits` (distillation's writer): each output carries one row per new
+    token, the raw model's logits there (bf16), as the independent forward gives them; without
+    detokenizing, the tokens are the same and the text is empty."""
+    params = SamplingParams(temperature=1.0, max_tokens=N_NEW, ignore_eos=True, seed=5)
+    engine = make_engine(adaptive_k=False, max_num_batched_tokens=64)
+    plain, _, _ = _run(engine, mode, params, k_max=3)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"k{i}", p, params, RequestOptions(mode=mode, k_max=3, keep_logits=True,
+                                                              detokenize=False))
+    outs, rows = {}, {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.text == ""
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+            assert (o.logits is None) == (not o.token_ids)
+            if o.logits is not None:
+                assert o.logits.dtype == torch.bfloat16 and len(o.logits) == len(o.token_ids)
+                rows.setdefault(o.request_id, []).append(o.logits)
+    for i, p in enumerate(PROMPTS):
+        out = outs[f"k{i}"]
+        assert out == plain[f"r{i}"]
+        got = torch.log_softmax(torch.cat(rows[f"k{i}"]).float(), -1)
+        ref = _reference(hf_target, p, out)[len(p) - 1:]
+        assert got.shape == ref.shape
+        assert torch.allclose(got, ref, atol=0.05)      # bf16 rows of float32 logits
+
+
+def test_stop_strings_need_detokenizing(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="stop strings need detokenize"):
+        engine.add_request("s", PROMPTS[0], SamplingParams(max_tokens=2, stop=["x"]),
+                           RequestOptions(detokenize=False))
+    assert not engine.has_unfinished()

@@ -169,14 +169,19 @@ def test_rollouts_written_by_the_target(tiny_family):
                     writer=TargetWriter(tiny_family["target"], threads=1))
     batches = [pool.batch(SimpleNamespace(module=student), step) for step in range(2)]
     assert not pool.pool
-    for inputs, labels, mask, _, _ in batches:
-        for row, m in zip(torch.cat([inputs, labels[:, -1:]], 1), mask):
+    for inputs, labels, mask, teacher, top_ids in batches:
+        assert top_ids is None
+        for row, m, v in zip(torch.cat([inputs, labels[:, -1:]], 1), mask, teacher):
             k = next(k for k in range(4) if data.tokens[k, :3].tolist() == row[:3].tolist())
             ids = data.tokens[k, :3].tolist()
             with torch.no_grad():                      # the target's greedy continuation
                 for _ in range(4):
                     ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-            assert row[:int(m.sum()) + 1].tolist() == ids
+                want = torch.log_softmax(target(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+            assert row[:len(ids)].tolist() == ids
+            # the loss covers the continuation, scored by the rows the writer sampled from
+            assert m.tolist() == [False, False, True, True, True, True] + [False] * (len(m) - 6)
+            assert (v[m].exp() - want[2:].exp()).abs().max() < 0.02
     one = DistillData.from_rows([([5, 9, 17], [4] * 8, "c")])    # sampled: every row its own draw
     pool = Rollouts(one, size=2, seed=0, temperature=1.0, steps_per_draw=2, writer=pool.writer)
     rows = [tuple(r.tolist()) for step in range(2)
