@@ -140,3 +140,6 @@ class RequestOptions:
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not _is_int(self.k_max) or not 0 <= self.k_max <= 16:
             raise ValueError(f"k_max must be in 0..16, got {self.k_max}")
+        for name in ("keep_logits", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

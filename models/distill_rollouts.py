@@ -45,11 +45,18 @@ class TargetWriter:
         self.ids = itertools.count()
 
     def continuations(self, prompts: list[list[int]], new_tokens: int, temperature: float,
-                      seeds: list[int], progress: str | None = None, keep_logits: bool = False):
+                      seeds: list[int], progress: str | None = None) -> list[list[int]]:
         """Each prompt's continuation (`new_tokens` at most; it ends after the target's end of
-        sequence), sampled at `temperature` with its row's seed; `progress` names a bar. With
-        `keep_logits`: (continuations, the target's logits each token was sampled from, one
-        [len(continuation), vocab] bfloat16 tensor per row), from the forwards that wrote them."""
+        sequence), sampled at `temperature` with its row's seed; `progress` names a bar."""
+        return self._write(prompts, new_tokens, temperature, seeds, progress, False)[0]
+
+    def continuations_with_logits(self, prompts: list[list[int]], new_tokens: int,
+                                  temperature: float, seeds: list[int]):
+        """`continuations`, and per row the target's logits each token was sampled from (one
+        [len(continuation), vocab] bfloat16 tensor), from the forwards that wrote them."""
+        return self._write(prompts, new_tokens, temperature, seeds, None, True)
+
+    def _write(self, prompts, new_tokens, temperature, seeds, progress, keep_logits):
         from engine.sampling_params import Mode, RequestOptions, SamplingParams
 
         names = []
@@ -74,10 +81,8 @@ class TargetWriter:
                     bar.update(int(out.finished))
         if bar is not None:
             bar.close()
-        conts = [outs[name] for name in names]
-        if not keep_logits:
-            return conts
-        return conts, [torch.cat(rows[name]) for name in names]
+        logits = [torch.cat(rows[name]) for name in names] if keep_logits else None
+        return [outs[name] for name in names], logits
 
 
 def generate(target: str, prompts: list[list[int]], new_tokens: int, temperature: float,
@@ -139,8 +144,8 @@ class Rollouts:
         else:
             prompts = [sub.tokens[r, :int(p)].tolist() for r, p in enumerate(sub.prompt_lens)]
             seeds = [(self.seed * 1_000_003 + step) * 1_009 + r for r in range(n)]
-            conts, logits = self.writer.continuations(prompts, self.new_tokens, self.temperature,
-                                                      seeds, keep_logits=True)
+            conts, logits = self.writer.continuations_with_logits(prompts, self.new_tokens,
+                                                                  self.temperature, seeds)
             drawn = DistillData.from_rows(list(zip(prompts, conts, sub.classes)))
         for s in range(n - self.size, -1, -self.size):             # popped in draw order
             part = list(range(s, s + self.size))

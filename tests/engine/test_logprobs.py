@@ -231,3 +231,9 @@ def test_stop_strings_need_detokenizing(make_engine):
         engine.add_request("s", PROMPTS[0], SamplingParams(max_tokens=2, stop=["x"]),
                            RequestOptions(detokenize=False))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("field", ["keep_logits", "detokenize"])
+def test_the_writer_options_take_booleans_only(field):
+    with pytest.raises(ValueError, match=f"{field} must be true or false"):
+        RequestOptions(**{field: "yes"})
