@@ -20,8 +20,9 @@ one batched SDPA runs with the same mask. A prompt chunk the scheduler marks (`p
 runs apart, in pieces cut at fixed multiples, one SDPA call each (`_Prefill`: a prompt's KV
 does not depend on where the load cut it); a first chunk attends to its own new keys and values
 directly, reading nothing from the pool. Unmarked chunks (a draft's catch-up) are grouped by
-length as above. CUDA runs the gather + SDPA path; a paged-attention library is not wired in
-yet.
+length as above. With `flex` (GPUs by default, `paged_backend`), every decode and verify group
+is one FlexAttention call per layer that reads the pool in place (`engine/flex_attention.py`);
+prefill chunks keep SDPA.
 
 Batch invariance, and why it decides the path: the projections are row-invariant (oneDNN, in
 float32 and bfloat16), and so is the fused kernel, bit for bit; SDPA's CPU kernel blocks its
@@ -39,7 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import flex_attention
 from engine.cpu_attention import paged_attention, write_kv
+from engine.flex_attention import FlexGroup, FlexPages
 
 VERIFY_MAX = 17          # query tokens up to this are grouped with speculative verifies
 
@@ -220,6 +223,24 @@ def _buffer(workspace: dict | None, name: str, shape, dtype, device) -> torch.Te
     return buf[:size].view(shape)
 
 
+def paged_backend(device: torch.device | str, attention: str) -> str:
+    """The attention path a model runner takes for its decode and verify groups (prefill
+    chunks always run SDPA): "fused", the CPU kernel (`EngineConfig.attention` "fused" on CPU;
+    the runner falls back to "sdpa" where it cannot be built); "flex", FlexAttention over the
+    pool in place ("fused" on a GPU, or asked for by name); "sdpa", gather + SDPA (asked for,
+    or where FlexAttention is missing)."""
+    cpu = torch.device(device).type == "cpu"
+    if attention == "sdpa" or (attention == "fused" and cpu):
+        return attention
+    return "sdpa" if flex_attention.missing() else "flex"
+
+
+def token_major(device: torch.device | str, attention: str) -> bool:
+    """Whether a pool serving `attention` on `device` is token-major (`BlockPool`): everywhere
+    but under the CPU kernels, which read d-major keys."""
+    return torch.device(device).type != "cpu" or paged_backend(device, attention) == "flex"
+
+
 def _group_of(num_query: int) -> int:
     return 0 if num_query == 1 else 1 if num_query <= VERIFY_MAX else 2
 
@@ -235,8 +256,11 @@ class PagedAttention:
     """
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], seqs: list[SeqSlice],
-                 scale: float, workspace: dict | None = None, fused: bool = False):
-        """workspace: buffers kept by the caller across forwards (gathers reuse them)."""
+                 scale: float, workspace: dict | None = None, fused: bool = False,
+                 flex: FlexPages | None = None):
+        """workspace: buffers kept by the caller across forwards (gathers reuse them).
+        flex: decode and verify groups run FlexAttention over these pages
+        (`engine/flex_attention.py`)."""
         self.layers, self.scale = layers, scale
         self.workspace = {} if workspace is None else workspace
         k_cache = layers[0][0]
@@ -266,6 +290,15 @@ class PagedAttention:
         # torch's CPU matmuls) move with the batch shape (1e-7 in float32; in bfloat16 that
         # flips a rounding, and then a trained model's near-tie: docs/decisions/0004-cpu-kernels.md).
         self.groups = prefills
+        if flex is not None and (groups[0] or groups[1]):
+            # Decode and verify together: one FlexAttention call a layer, decode rows padded to
+            # the verifies' query count (the kernel reads each sequence's keys once for all
+            # its rows); the group owns `flex`'s buffers for this forward.
+            g = groups[0] + groups[1]
+            self.groups.append(FlexGroup(flex, [seqs[i].block_table for i in g],
+                                         [seqs[i].num_cached for i in g],
+                                         [seqs[i].num_query for i in g], [starts[i] for i in g]))
+            groups = ([], [], groups[2])
         for g in filter(None, groups):
             if _group_of(seqs[g[0]].num_query) == 2 and len(g) > 1:
                 # Prefill chunks: sequences starting fresh attend alone to their own new keys.

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 
-ATTENTION = ("sdpa", "fused")
+ATTENTION = ("sdpa", "fused", "flex")
 PREFILL_MODES = ("mixed", "no_draft", "alone")
 
 
@@ -24,12 +24,15 @@ class EngineConfig:
                                          # computes it natively (GPU, AVX512-BF16 or AMX CPU),
                                          # else float32
     device: str = "cpu"
-    attention: str = "fused"             # "fused": on CPU every decode and verify row runs the
-                                         # fused kernel (engine/cpu_attention.py), bitwise the
-                                         # same whatever the batch: greedy speculative output
-                                         # equals plain decoding in bfloat16 too; "sdpa": gather
-                                         # + SDPA everywhere (CUDA always).
-                                         # docs/decisions/0004-cpu-kernels.md
+    attention: str = "fused"             # "fused": the device's paged kernel for decode and
+                                         # verify rows: on CPU the fused kernel
+                                         # (engine/cpu_attention.py), bitwise the same whatever
+                                         # the batch, so greedy speculative output equals plain
+                                         # decoding in bfloat16 too; on a GPU FlexAttention over
+                                         # the pool in place (engine/flex_attention.py).
+                                         # "flex": FlexAttention on any device (eager on CPU:
+                                         # tests); "sdpa": gather + SDPA everywhere.
+                                         # docs/decisions/0004-cpu-kernels.md, 0037
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
     gpu_memory_utilization: float = 0.90  # share of a GPU's memory this replica plans to use
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget

@@ -29,7 +29,10 @@ rather than 1/heads of every token's row per pass. Values are
 at once, accumulating over the head dimension, with no horizontal sum per key
 (`engine/cpu_attention.py`). A token's key is written as head_dim strided elements; one token a
 step per sequence, against every key read every step. What each of these choices is worth:
-docs/decisions/0002-kv-pool-layout.md.
+docs/decisions/0002-kv-pool-layout.md. A token-major pool (`token_major`: GPUs, FlexAttention)
+lays every chunk of keys and values out as `[tokens_per_chunk, num_kv_heads, head_dim]`, so a
+(layer, K/V) is one array of token rows that a paged kernel reads in place
+(docs/decisions/0037-flex-attention-on-gpus.md).
 
 Each model sees the pool through `layers(layout)`: per layer (K, V), each
 `[num_blocks, chunks, tokens_per_chunk, num_kv_heads, head_dim]`, a strided view. The plane
@@ -93,14 +96,17 @@ class BlockPool:
     def __init__(self, budget_bytes: int, target: tuple[int, int, int], block_size: int,
                  dtype: torch.dtype, device: torch.device | str,
                  draft: tuple[int, int, int] | None = None, resident: bool = False,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, token_major: bool = False):
         """target, draft: (num_layers, num_kv_heads, head_dim) of each model's (per-rank) KV.
         resident: write the whole pool now. On CPU `torch.empty` only reserves address space
         and the kernel maps each page at its first write, in whichever step first hands out its
         block, so a served replica's first requests would pay a page fault per fresh block
         (docs/decisions/0002-kv-pool-layout.md). Written at start, the budget is resident (or
-        fails to be at start, not under load)."""
-        self.dtype = dtype
+        fails to be at start, not under load).
+        token_major: every chunk of keys and values `[tokens_per_chunk, num_kv_heads,
+        head_dim]`, the layout paged kernels on GPUs read (`engine/flex_attention.py`);
+        False: head-major with d-major keys, the CPU kernel's (`token_major_pool`)."""
+        self.dtype, self.token_major = dtype, token_major
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.planes, tpb = _plan(block_size, target, draft)
         chunks = self.planes // (2 * target[0])
@@ -149,6 +155,10 @@ class BlockPool:
         for i in range(layout.num_layers):
             k = self.pool[2 * i * m:(2 * i + 1) * m, :, :per_chunk * row]
             v = self.pool[(2 * i + 1) * m:(2 * i + 2) * m, :, :per_chunk * row]
+            if self.token_major:
+                out.append(tuple(t.unflatten(2, (per_chunk, heads, d)).permute(1, 0, 2, 3, 4)
+                                 for t in (k, v)))
+                continue
             out.append((k.unflatten(2, (heads, d, per_chunk)).permute(1, 0, 4, 2, 3),
                         v.unflatten(2, (heads, per_chunk, d)).permute(1, 0, 3, 2, 4)))
         return out

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.attention import token_major
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
 from engine.calibration import CATCH_UP_MAX, CalibratedCost
@@ -67,7 +68,8 @@ class LLMEngine:
         self.pool = BlockPool(budget, (t.num_layers, t.num_kv_heads, t.head_dim), config.block_size,
                               self.target_fw.dtype, config.device,
                               (d.num_layers, d.num_kv_heads, d.head_dim) if d else None,
-                              resident=config.kv_resident)
+                              resident=config.kv_resident,
+                              token_major=token_major(config.device, config.attention))
         pool = self.pool
         if peers is not None:     # ranks 1..N-1 take this layout; they never re-derive it
             peers.configure_pool(pool.target.tokens_per_block, pool.num_blocks,
@@ -77,10 +79,8 @@ class LLMEngine:
         self.group_error: TPGroupError | None = None
         self.target = ModelRunner(self.target_fw, pool.layers(pool.target), peers, config.attention,
                                   zeroed=pool.take_zeroed if peers is not None else None,
-                                  plan_dir=self.plan_dir)
-        self.draft = (ModelRunner(self.draft_fw, pool.layers(pool.draft), attention=config.attention,
-                                  plan_dir=self.plan_dir)
-                      if self.draft_fw else None)
+                                  plan_dir=self.plan_dir, max_batch=config.max_num_seqs)
+        self.draft = self._draft_runner(self.draft_fw) if self.draft_fw else None
         self.faults = Faults() if config.fault_injection else None    # test-only hook
         self.delays = Delays() if config.fault_injection else None
         if self.faults is not None:
@@ -402,15 +402,17 @@ class LLMEngine:
                              f"KV heads of {s.head_dim}) than the running draft: restart the replica")
         return new, forward
 
+    def _draft_runner(self, forward) -> ModelRunner:
+        return ModelRunner(forward, self.pool.layers(self.pool.draft), attention=self.config.attention,
+                           plan_dir=self.plan_dir, max_batch=self.config.max_num_seqs)
+
     def swap_draft(self, loaded) -> None:
         """Run the next steps with a new draft (from `load_draft`). Every running sequence drops
         its draft KV (computed by the old weights) and re-prefills it when it next drafts; the
         acceptance estimate restarts from the prior. Output stays the target's (lossless)."""
         new, forward = loaded
         self.draft_model, self.draft_fw = new, forward
-        pool = self.pool
-        self.draft = ModelRunner(forward, pool.layers(pool.draft), attention=self.config.attention,
-                                 plan_dir=self.plan_dir)
+        self.draft = self._draft_runner(forward)
         self.scheduler.new_draft(self.draft_swaps + 1)     # cached draft blocks are stale
         for seq in self.seqs.values():
             self.scheduler.reset_draft(seq)

@@ -7,14 +7,18 @@ shard, and rank 0 (this process) reads the logits. Does not own: sampling or sch
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from engine.attention import PagedAttention, SeqSlice
-from engine import cpu_attention, cpu_ops
+from engine.attention import PagedAttention, SeqSlice, paged_backend
+from engine import cpu_attention, cpu_ops, flex_attention
 from engine.errors import TPGroupError
+from engine.flex_attention import FlexPages
+
+logger = logging.getLogger(__name__)
 
 
 def run_message(input_ids: list[int], positions: list[int], seqs: list[SeqSlice],
@@ -48,7 +52,8 @@ class Peers(Protocol):
 class ModelRunner:
     def __init__(self, forward, layers: list[tuple[torch.Tensor, torch.Tensor]],
                  peers: Peers | None = None, attention: str = "fused",
-                 zeroed: Callable[[], list[int]] | None = None, plan_dir=None):
+                 zeroed: Callable[[], list[int]] | None = None, plan_dir=None,
+                 max_batch: int = 256):
         self.forward = forward            # models.llama.LlamaForward
         self.layers = layers              # per layer (K, V) views of the pool (BlockPool.layers)
         self.peers = peers
@@ -56,12 +61,28 @@ class ModelRunner:
         self.scale = forward.shape.head_dim ** -0.5
         self.device = forward.device
         self.workspace: dict = {}         # attention's gather buffers, reused across steps
-        # attention "fused": every decode and verify group on CPU runs the fused kernel
-        # (engine/cpu_attention.py: bitwise batch-invariant rows); False: gather + SDPA.
-        self.fused = attention == "fused" and self.device.type == "cpu"
+        # decode and verify groups (engine/attention.py: paged_backend): on CPU the fused
+        # kernel (engine/cpu_attention.py: bitwise batch-invariant rows), on a GPU FlexAttention
+        # over the pool in place (engine/flex_attention.py), else gather + SDPA
+        self.backend = paged_backend(self.device, attention)
+        if self.backend == "sdpa" and attention != "sdpa" and self.device.type != "cpu":
+            logger.warning("FlexAttention unavailable (%s): decode and verify gather their KV "
+                           "into a padded buffer every layer and step, an estimated 2.5x the "
+                           "weight-bound step at batch 32 x 1k context (docs/decisions/0037)",
+                           flex_attention.missing())
+        self.fused = self.backend == "fused"
         if self.fused:
             self._build_fused()
+        self.flex = self._flex_pages(max_batch) if self.backend == "flex" else None
         forward.build_kernels(plan_dir)
+
+    def _flex_pages(self, max_batch: int) -> FlexPages | None:
+        try:
+            return FlexPages(self.layers, max_batch, compiled=self.device.type == "cuda")
+        except ValueError as exc:          # a pool this model cannot be read from in place
+            logger.warning("FlexAttention off for this model (%s): decode gathers its KV", exc)
+            self.backend = "sdpa"
+            return None
 
     @torch.inference_mode()
     def _build_fused(self) -> None:
@@ -72,6 +93,7 @@ class ModelRunner:
         dtype, d = self.layers[0][0].dtype, self.layers[0][0].shape[-1]
         if not (cpu_attention.build(dtype, d) and cpu_ops.build(dtype)):
             self.fused = False                       # cannot build them here: gather + SDPA
+            self.backend = "sdpa"
         self.forward.ops = cpu_ops if self.fused else None
 
     @torch.inference_mode()
@@ -112,5 +134,6 @@ class ModelRunner:
         """The forward alone (what every rank of a tensor-parallel group runs)."""
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        attn = PagedAttention(self.layers, seqs, self.scale, self.workspace, fused=self.fused)
+        attn = PagedAttention(self.layers, seqs, self.scale, self.workspace, fused=self.fused,
+                              flex=self.flex)
         return self.forward.forward(ids, pos, attn)

@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from engine.attention import SeqSlice
+from engine.attention import SeqSlice, token_major
 from engine.faults import Faults
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
@@ -31,8 +31,11 @@ COLLECTIVE_TIMEOUT_S = 30
 
 def init_tp(rank: int, world: int, init_method: str, device: str = "cpu",
             timeout_s: float = COLLECTIVE_TIMEOUT_S):
-    """Join the group; returns the all-reduce the row-parallel layers call."""
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    """Join the group; returns the all-reduce the row-parallel layers call. NCCL on GPUs (one
+    rank a GPU), gloo elsewhere; SPECSERVE_TP_BACKEND=gloo runs several ranks on one GPU (NCCL
+    refuses two ranks on one device): for checks, scripts/gpu_tp_check.py."""
+    backend = os.environ.get("SPECSERVE_TP_BACKEND") or (
+        "nccl" if torch.device(device).type == "cuda" else "gloo")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -94,6 +97,7 @@ def rank_options(config) -> dict:
     the ranks and rank 0 cannot be told different things."""
     return {"target": config.target, "dtype": config.dtype, "device": config.device,
             "attention": config.attention, "num_threads": config.num_threads,
+            "max_num_seqs": config.max_num_seqs,
             "fault_injection": config.fault_injection, "row_plan_dir": config.row_plan_dir}
 
 
@@ -102,7 +106,8 @@ class TPWorker:
 
     def __init__(self, rank: int, world: int, init_method: str, target: str, dtype: str,
                  device: str, num_threads: int = 1, attention: str = "fused",
-                 fault_injection: bool = False, row_plan_dir: str | None = None):
+                 fault_injection: bool = False, row_plan_dir: str | None = None,
+                 max_num_seqs: int = 256):
         torch.set_num_threads(num_threads)
         self.plan_dir = plan_dir(row_plan_dir)
         all_reduce = init_tp(rank, world, init_method, device)
@@ -115,7 +120,7 @@ class TPWorker:
         # against the bytes of its shard
         self.load_memory = {"resident_before": before, "peak": peak_resident_bytes(),
                             "shard_bytes": self.forward.weight_bytes()}
-        self.device, self.attention = device, attention
+        self.device, self.attention, self.max_num_seqs = device, attention, max_num_seqs
         self.pool: BlockPool | None = None
         self.runner: ModelRunner | None = None
         self.failed: str | None = None        # a forward failed here: the group is broken
@@ -138,11 +143,13 @@ class TPWorker:
                        * torch.empty((), dtype=self.forward.dtype).element_size())
         # A target-only pool whose block is exactly tokens_per_block of this rank's KV heads.
         self.pool = BlockPool(num_blocks * block_bytes, layout, tokens_per_block,
-                              self.forward.dtype, self.device, resident=True)
+                              self.forward.dtype, self.device, resident=True,
+                              token_major=token_major(self.device, self.attention))
         assert self.pool.num_blocks == num_blocks
         assert self.pool.target.tokens_per_block == tokens_per_block
         self.runner = ModelRunner(self.forward, self.pool.layers(self.pool.target),
-                                  attention=self.attention, plan_dir=self.plan_dir)
+                                  attention=self.attention, plan_dir=self.plan_dir,
+                                  max_batch=self.max_num_seqs)
         self.load_memory["peak_with_kernels"] = peak_resident_bytes()
 
     def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple],

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU check: on a machine with CUDA, run the engine's CUDA tests, `specserve bench engine
-# --device cuda` and the decode step against the roofline (scripts/gpu_roofline.py), in under
+# GPU check: on a machine with CUDA, run the decode step against the roofline with
+# FlexAttention and with the gather + SDPA fallback (scripts/gpu_roofline.py), TP = 2 on the one
+# GPU against TP = 1 (scripts/gpu_tp_check.py), the engine's CUDA tests and `specserve bench
+# engine --device cuda`, in that order (what the issue asks first comes first), in under
 # 8 minutes. Every stage has its own timeout and logs to $OUT (if set)
 # or ./gpu-check-out. A failing stage is reported and the next one still runs; the exit status
 # is the number of failed stages.
@@ -40,13 +42,19 @@ for lib in ("flashinfer", "flash_attn"):
         print(lib, "absent (torch SDPA fallback)")
 EOF
 
+stage "decode step against the roofline (8B-shaped target, 1B-shaped draft, bf16; flex, then sdpa)"
+timeout 230 "$PY" scripts/gpu_roofline.py || fail "roofline"
+
+stage "TP = 2 on this one GPU (gloo) against TP = 1"
+timeout 50 "$PY" scripts/gpu_tp_check.py || fail "tp check"
+
 stage "CUDA tests (pytest -m gpu)"
 if timeout 20 "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_gpu.py \
+    timeout 80 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_gpu.py \
         --junitxml="$OUT/gpu-tests.xml" || fail "gpu tests"
 else
     echo "pytest is not installed for $PY: running the same checks without it"
-    timeout 180 "$PY" scripts/gpu_tests_nopytest.py || fail "gpu tests (no pytest)"
+    timeout 80 "$PY" scripts/gpu_tests_nopytest.py || fail "gpu tests (no pytest)"
 fi
 
 stage "model family"
@@ -71,13 +79,10 @@ echo "family: $FAM"
 
 stage "bench engine --device cuda ($DTYPE)"
 if [ -n "$FAM" ]; then
-    timeout 240 "$PY" -m cluster bench engine --family "$FAM" --device cuda --dtype "$DTYPE" \
+    timeout 60 "$PY" -m cluster bench engine --family "$FAM" --device cuda --dtype "$DTYPE" \
         --threads 2 --prompts 3 --new-tokens 128 --k-max 6 --batches 1,4,16,32,64 \
         --json "$OUT/bench-cuda-$DTYPE.json" || fail "bench engine"
 fi
-
-stage "decode step against the roofline (8B-shaped target, 1B-shaped draft, bf16)"
-timeout 300 "$PY" scripts/gpu_roofline.py || fail "roofline"
 
 stage "done: $FAILED failed stage(s)"
 exit "$FAILED"

@@ -6,7 +6,10 @@ MLP 8192) with models/synthetic.py, loads them as the engine serves them (sharde
 the GPU memory plan), measures the device's copy bandwidth, and times:
 - a target decode forward at batch 1/8/32/64/128 and context 1k/4k, against the roofline
   (weight bytes + KV bytes read) / measured copy bandwidth;
-- a verify of k + 1 = 5 tokens against a decode at batch 1.
+- a verify of k + 1 = 5 tokens against a decode at batch 1;
+each with the engine's attention (FlexAttention over the pool in place, compiled: the first
+call at a shape builds its kernel, reported as first_call_s) and then with the gather + SDPA
+fallback on the same pool and weights (ATTENTION=flex or sdpa runs one alone).
 Prints a table and writes it as JSON to $OUT/roofline.json.
 """
 
@@ -24,6 +27,7 @@ import torch  # noqa: E402
 from engine.attention import SeqSlice  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
 from models.synthetic import write_random_llama  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "gpu-check-out"))
@@ -57,6 +61,39 @@ def timed(fn, repeats: int = 10) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def sweep(runner, pool, weights, kv_token, bw, label) -> list[dict]:
+    """Decode step (and a k = 4 verify at batch 1) of `runner` at every batch and context."""
+    rows = []
+    for ctx in CONTEXTS:
+        for batch in BATCHES:
+            per_seq = -(-(ctx + 8) // pool.target.tokens_per_block)
+            if per_seq * batch > pool.num_free:
+                rows.append({"attention": label, "batch": batch, "context": ctx,
+                             "skipped": "KV budget"})
+                continue
+            tables = [pool.allocate(per_seq, "target") for _ in range(batch)]
+            seqs = [SeqSlice(t, ctx, 1) for t in tables]
+            start = time.perf_counter()
+            runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch)))
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start        # the first call builds the kernels
+            step = timed(lambda: runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch))))
+            roofline = (weights + batch * ctx * kv_token) / bw
+            row = {"attention": label, "batch": batch, "context": ctx, "step_ms": step * 1e3,
+                   "roofline_ms": roofline * 1e3, "ratio": step / roofline,
+                   "first_call_s": first}
+            if batch == 1:
+                verify = [SeqSlice(tables[0], ctx, 5)]
+                v = timed(lambda: runner.run(verify, [1] * 5, list(range(ctx, ctx + 5)),
+                                             list(range(5))))
+                row["verify5_over_decode"] = v / step
+            rows.append(row)
+            for t in tables:
+                pool.free(t, "target")
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     target, draft = WORK / "target-8b", WORK / "draft-1b"
@@ -67,42 +104,31 @@ def main() -> int:
     engine = LLMEngine(EngineConfig(str(target), str(draft), dtype="bfloat16", device="cuda",
                                     max_num_seqs=128, max_model_len=8192, profile=False))
     bw = copy_bandwidth()
-    runner, pool = engine.target, engine.pool
+    pool = engine.pool
     weights = engine.target_model.weight_bytes
     kv_token = pool.target.elems_per_token * pool.element_size
+    # the engine's own runner (FlexAttention in place, engine/flex_attention.py), then the
+    # gather + SDPA fallback over the same pool and weights
+    runners = {engine.target.backend: engine.target}
+    if "sdpa" not in runners:
+        runners["sdpa"] = ModelRunner(engine.target_fw, pool.layers(pool.target), attention="sdpa")
+    if only := os.environ.get("ATTENTION"):
+        runners = {only: runners[only]}
     rows = []
-    for ctx in CONTEXTS:
-        for batch in BATCHES:
-            per_seq = -(-(ctx + 8) // pool.target.tokens_per_block)
-            if per_seq * batch > pool.num_free:
-                rows.append({"batch": batch, "context": ctx, "skipped": "KV budget"})
-                continue
-            tables = [pool.allocate(per_seq, "target") for _ in range(batch)]
-            seqs = [SeqSlice(t, ctx, 1) for t in tables]
-            step = timed(lambda: runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch))))
-            roofline = (weights + batch * ctx * kv_token) / bw
-            row = {"batch": batch, "context": ctx, "step_ms": step * 1e3,
-                   "roofline_ms": roofline * 1e3, "ratio": step / roofline}
-            if batch == 1:
-                verify = [SeqSlice(tables[0], ctx, 5)]
-                v = timed(lambda: runner.run(verify, [1] * 5, list(range(ctx, ctx + 5)),
-                                             list(range(5))))
-                row["verify5_over_decode"] = v / step
-            rows.append(row)
-            for t in tables:
-                pool.free(t, "target")
-            print(json.dumps(row), flush=True)
+    for label, runner in runners.items():
+        rows += sweep(runner, pool, weights, kv_token, bw, label)
     result = {"device": torch.cuda.get_device_name(0), "copy_bandwidth_Bps": bw,
               "target_weight_bytes": weights, "kv_bytes_per_token": kv_token,
-              "attention": "torch gather + SDPA (no paged kernel yet)", "cuda_graphs": False,
+              "tokens_per_block": pool.target.tokens_per_block, "cuda_graphs": False,
               "rows": rows}
     (OUT / "roofline.json").write_text(json.dumps(result, indent=1))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; target weights {weights / 2**30:.1f} GiB")
-    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'roofline ms':>11} {'ratio':>6}")
+    print(f"{'attention':>9} {'batch':>5} {'context':>7} {'step ms':>8} {'roofline ms':>11} "
+          f"{'ratio':>6} {'first s':>7}")
     for r in rows:
         if "skipped" not in r:
-            print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['roofline_ms']:>11.2f} "
-                  f"{r['ratio']:>6.2f}")
+            print(f"{r['attention']:>9} {r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} "
+                  f"{r['roofline_ms']:>11.2f} {r['ratio']:>6.2f} {r['first_call_s']:>7.1f}")
     return 0
 
 

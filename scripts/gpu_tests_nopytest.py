@@ -30,6 +30,8 @@ def main() -> int:
 
     cases = [(test_gpu.test_cuda_attention_equals_per_sequence, (dt, plan))
              for dt in (torch.float32, torch.bfloat16) for plan in sorted(PLANS)]
+    cases += [(test_gpu.test_cuda_flex_attention_equals_per_sequence, (dt,))
+              for dt in (torch.float32, torch.bfloat16)]
     cases += [(test_gpu.test_cuda_speculative_equals_plain, (make_engine, dt))
               for dt in ("float32", "bfloat16")]
     failed = 0

@@ -214,6 +214,19 @@ MUTANTS = [
            '+ spec * _rate(prices, "baseline", "completion")',
            ("tests/router/test_billing.py",),
            "speculative completion tokens are priced at the baseline price"),
+    # ---- FlexAttention over the pool in place (decision 0037) --------------------------------
+    Mutant("flex-foreign-pages", "engine/flex_attention.py",
+           "return (page_of >= 0) & (page_of", "return (page_of * 0 == 0) & (page_of",
+           (T + "test_flex_attention.py",),
+           "a query row attends pages its sequence does not hold"),
+    Mutant("flex-partial-page-as-full", "engine/flex_attention.py",
+           "full = (cached + 1) // pp ", "full = (cached + 1) // pp + 1 ",
+           (T + "test_flex_attention.py",),
+           "a page a row sees in part is listed as seen whole (no mask: future keys read)"),
+    Mutant("flex-page-of-chunk", "engine/flex_attention.py",
+           "torch.arange(c) * pages.num_blocks", "torch.arange(c)",
+           (T + "test_flex_attention.py",),
+           "chunk c of block b is read as page b + c"),
 ]
 
 

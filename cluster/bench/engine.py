@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens, batches 1 and 4")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 where the device computes it natively, else float32")
-    p.add_argument("--attention", default=None, choices=["sdpa", "fused"],
+    p.add_argument("--attention", default=None, choices=["sdpa", "fused", "flex"],
                    help="the engine's attention path (default: EngineConfig's)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the free cores, at most 2)")

@@ -1,5 +1,6 @@
-"""The engine on CUDA (skipped without a CUDA device): paged attention equals the per-sequence
-reference, and greedy speculative output equals plain decoding, in float32 and bfloat16."""
+"""The engine on CUDA (skipped without a CUDA device): paged attention (gather + SDPA, and
+compiled FlexAttention in place) equals the per-sequence reference, and greedy speculative
+output equals plain decoding, in float32 and bfloat16."""
 
 import random
 
@@ -8,6 +9,7 @@ import torch
 
 from conftest import run_all
 from engine.attention import PagedAttention, SeqSlice
+from engine.flex_attention import FlexGroup, FlexPages
 from engine.kv_cache import BlockPool
 from engine.sampling_params import RequestOptions, SamplingParams
 from test_attention import PLANS, reference
@@ -26,6 +28,31 @@ def test_cuda_attention_equals_per_sequence(dtype, plan):
     seqs = [SeqSlice(pool.allocate(-(-(c + q) // 16), "target"), c, q) for c, q in PLANS[plan]]
     total = sum(s.num_query for s in seqs)
     attn = PagedAttention(layers, seqs, 64 ** -0.5)
+    q = torch.randn(total, 4, 64, dtype=dtype, device="cuda")
+    k = torch.randn(total, 2, 64, dtype=dtype, device="cuda")
+    out = attn(0, q, k, k.clone()).view(total, 4, 64)
+    ref = reference(layers[0][0].cpu(), layers[0][1].cpu(), seqs, q.cpu(), 64 ** -0.5)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_flex_attention_equals_per_sequence(dtype):
+    """Compiled FlexAttention (the default on CUDA) over a token-major pool whose blocks nobody
+    holds are NaN: decode and verify rows equal the reference, prefill chunks keep SDPA."""
+    torch.manual_seed(0)
+    pool = BlockPool(4 << 20, (2, 2, 64), 16, dtype, "cuda", token_major=True)
+    pool.pool.fill_(float("nan"))
+    layers = pool.layers(pool.target)
+    plan = PLANS["mixed"] + PLANS["verify"] + PLANS["decode"]
+    seqs = [SeqSlice(pool.allocate(-(-(c + q) // 16), "target"), c, q) for c, q in plan]
+    for s in seqs:
+        for pos in range(s.num_cached):
+            for cache in layers[0]:
+                cache[s.block_table[pos // 16], 0, pos % 16].normal_()
+    total = sum(s.num_query for s in seqs)
+    attn = PagedAttention(layers, seqs, 64 ** -0.5, flex=FlexPages(layers, 32, compiled=True))
+    assert sum(isinstance(g, FlexGroup) for g in attn.groups) == 1
     q = torch.randn(total, 4, 64, dtype=dtype, device="cuda")
     k = torch.randn(total, 2, 64, dtype=dtype, device="cuda")
     out = attn(0, q, k, k.clone()).view(total, 4, 64)

@@ -40,13 +40,16 @@ def _run(engine, prompts=PROMPTS, max_tokens=12):
     return [outs[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("draft", ["same_shape", "odd_shape"])
-def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, draft):
+@pytest.mark.parametrize("draft,attention", [("same_shape", "fused"), ("odd_shape", "fused"),
+                                             ("odd_shape", "flex")])
+def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, draft, attention):
+    """flex: every rank's pool is token-major and read in place (engine/flex_attention.py)."""
     draft_path = str(tiny_family["draft"] if draft == "same_shape" else odd_draft)
-    config = _config(tiny_family, draft_path)
+    config = _config(tiny_family, draft_path, attention=attention)
     peers = LocalPeers(config)
     try:
         engine = LLMEngine(config, peers=peers)
+        assert engine.target.backend == attention and engine.pool.token_major == (attention == "flex")
         tpb = engine.pool.target.tokens_per_block
         assert (tpb == 16) == (draft == "same_shape"), tpb     # the odd draft changes the layout
         assert _run(engine) == [hf_greedy(hf_target, p, 12) for p in PROMPTS]
@@ -58,9 +61,10 @@ def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, dra
 def test_ranks_are_built_from_rank_0s_config():
     """One builder of a rank's options: every field a rank needs comes from rank 0's config."""
     config = EngineConfig("/models/t", dtype="bfloat16", device="cpu", attention="sdpa",
-                          num_threads=3, tp_size=4, fault_injection=True, row_plan_dir="/p")
+                          num_threads=3, tp_size=4, fault_injection=True, row_plan_dir="/p",
+                          max_num_seqs=48)
     assert rank_options(config) == {"target": "/models/t", "dtype": "bfloat16", "device": "cpu",
-                                    "attention": "sdpa", "num_threads": 3,
+                                    "attention": "sdpa", "num_threads": 3, "max_num_seqs": 48,
                                     "fault_injection": True, "row_plan_dir": "/p"}
 
 

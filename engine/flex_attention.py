@@ -1,0 +1,201 @@
+"""Paged decode and verify attention through PyTorch's FlexAttention: the kernel reads each
+sequence's blocks where they lie in the pool, through a block mask, with no gather.
+
+Owns: seeing one model's layers of the pool as FlexAttention's one long key sequence, the
+per-forward block mask (which pages each sequence reads, which of them every query sees whole),
+and the call. Does not own: grouping sequences (`engine/attention.py`), block allocation
+(`engine/kv_cache.py`), or the pool's layout (token-major wherever this path runs:
+`BlockPool(token_major=True)`).
+
+The pool as one sequence. In a token-major pool one (layer, K or V) of a model is `chunks`
+planes of `[num_blocks, tokens_per_chunk, num_kv_heads, head_dim]`, contiguous, so it is one
+array of `chunks * num_blocks * tokens_per_chunk` token rows: FlexAttention's keys
+`[1, num_kv_heads, slots, head_dim]`, broadcast over the batch. A *page* is one chunk of one
+block, `tokens_per_chunk` rows: page `c * num_blocks + b` is chunk c of block b. A sequence's
+logical page L (its tokens L * tokens_per_chunk ..) is chunk L % chunks of block
+`block_table[L // chunks]`.
+
+The block mask (`BlockMask`, KV_BLOCK_SIZE = one page; one query tile per sequence):
+- `full_kv_indices[b]`: the pages every query row of sequence b sees whole (all but its last);
+  the kernel applies no mask to them.
+- `kv_indices[b]`: its last pages, which query rows see in part; `mask_mod` decides per key.
+- `mask_mod(b, h, i, j)`: slot j is visible to query i of sequence b iff its page is logical page
+  L of sequence b (`logical[b, page]`, -1 where b does not hold the page) and
+  `L * tokens_per_chunk + j % tokens_per_chunk < lens[b, i]`, where query i of a sequence with
+  `num_cached` tokens in the cache sees `num_cached + i + 1` keys. The rule is exact on every
+  slot, so the result does not depend on which pages the mask lists beyond the ones needed
+  (eager FlexAttention, the CPU tests' path, evaluates it everywhere).
+
+Shapes are bucketed (batch to a power of two, query tokens to one of `QUERY_BUCKETS`: padded
+rows repeat a real one and are dropped) and the metadata lives in buffers made once, the page
+lists as wide as the pool, so a compiled kernel sees a few fixed shapes and the same tensors
+every forward. Compiled (`torch.compile`) on CUDA; eager
+elsewhere (the dense reference, for tests: it scores every slot of the pool).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # torch < 2.5
+    BlockMask = flex_attention = None
+
+QUERY_BUCKETS = (1, 8, 32)   # query tokens per sequence are padded to one of these
+VERIFY_BUCKET = QUERY_BUCKETS[-1]
+# Shapes a compiled kernel is built for: batch buckets (powers of two up to max_num_seqs) x
+# query buckets; dynamo's default of 8 recompiles a function would send the rest to eager
+# FlexAttention, which scores every slot of the pool (out of memory on a GPU's pool).
+RECOMPILE_LIMIT = 64
+
+
+def missing() -> str | None:
+    """Why FlexAttention cannot run here (None: it can)."""
+    if flex_attention is None:
+        return "torch has no FlexAttention (torch >= 2.5 needed)"
+    return None
+
+
+def bucket(n: int, top: int) -> int:
+    """The smallest power of two >= n, at most `top` (>= n)."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, max(top, n))
+
+
+class FlexPages:
+    """One model's pool layers as FlexAttention reads them, and the block mask's buffers.
+
+    layers: per layer (K, V), each [num_blocks, chunks, tokens_per_chunk, kv_heads, d], views
+    of a token-major pool (`BlockPool.layers`); max_batch: the most sequences in one group."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int,
+                 compiled: bool):
+        k0 = layers[0][0]
+        self.num_blocks, self.chunks, self.per_page, heads, d = k0.shape
+        self.num_pages = self.num_blocks * self.chunks
+        self.device = k0.device
+        # each layer's K and V view, by its address (what a group's `run` is handed)
+        self.sequences = {t.data_ptr(): _as_sequence(t) for kv in layers for t in kv}
+        self.max_batch = bucket(max_batch, max_batch)
+        b, p, i32 = self.max_batch, self.num_pages, torch.int32
+        self.logical = torch.full((b, p), -1, dtype=i32, device=self.device)   # [batch, pages]
+        self.lens = torch.zeros(b, VERIFY_BUCKET, dtype=i32, device=self.device)
+        self.partial = torch.zeros(b, 1, 1, p, dtype=i32, device=self.device)
+        self.full = torch.zeros(b, 1, 1, p, dtype=i32, device=self.device)
+        per_page, logical, lens = self.per_page, self.logical, self.lens
+
+        def visible(b, h, q_idx, kv_idx):
+            page_of = logical[b, kv_idx // per_page]
+            return (page_of >= 0) & (page_of * per_page + kv_idx % per_page < lens[b, q_idx])
+
+        self.mask_mod = visible
+        self.attend = _eager
+        if compiled:
+            from torch import _dynamo
+
+            cfg = _dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+            self.attend = torch.compile(flex_attention, dynamic=False)
+
+    def sequence_of(self, cache: torch.Tensor) -> torch.Tensor:
+        """[1, kv_heads, slots, d]: the pool view `cache` (one layer's K or V) as one sequence."""
+        return self.sequences[cache.data_ptr()]
+
+
+def _eager(*args, **kwargs):
+    """FlexAttention without compiling: the dense reference (torch warns that it is one)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
+
+
+def _upload(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host tensors of one dtype to `device` in one copy, as views of their shapes."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+    return [part.view(t.shape) for part, t in
+            zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def _as_sequence(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, chunks, tokens_per_chunk, kv_heads, d] (token-major planes) ->
+    [1, kv_heads, chunks * num_blocks * tokens_per_chunk, d], a view: page c * num_blocks + b."""
+    planes = cache.permute(1, 0, 2, 3, 4)
+    if not planes.is_contiguous():
+        raise ValueError("FlexAttention reads a token-major pool whose plane runs hold whole "
+                         "chunks (BlockPool(token_major=True), a draft that fills its planes)")
+    return planes.reshape(-1, *cache.shape[-2:]).transpose(0, 1)[None]
+
+
+class FlexGroup:
+    """Decode or verify sequences of one forward, attended in one FlexAttention call per layer.
+
+    Same interface as `engine.attention._Group`: `run(q, k, v, k_cache, v_cache, out, scale,
+    workspace, compute)` writes the group's rows of `out` [num_tokens, heads, d]. The metadata
+    is computed on the host from the sequences' block tables and sent in one copy per tensor."""
+
+    def __init__(self, pages: FlexPages, block_tables: list[list[int]], num_cached: list[int],
+                 num_query: list[int], starts: list[int]):
+        self.pages = pages
+        n, dev, i32 = len(block_tables), pages.device, torch.int32
+        self.batch = bucket(n, pages.max_batch)
+        qmax = max(num_query)
+        self.qlen = next((b for b in QUERY_BUCKETS if b >= qmax), qmax)
+        if self.batch > pages.max_batch or self.qlen > VERIFY_BUCKET:
+            raise ValueError(f"a FlexAttention group of {n} sequences x {qmax} queries exceeds "
+                             f"{pages.max_batch} x {VERIFY_BUCKET}")
+        c, pp = pages.chunks, pages.per_page
+        cached = torch.tensor(num_cached)                              # [n]
+        nq = torch.tensor(num_query)                                   # [n]
+        i = torch.minimum(torch.arange(self.qlen)[None, :], (nq - 1)[:, None])
+        q_index = torch.tensor(starts)[:, None] + i                    # [n, qlen]; pads repeat
+        total = -(-(cached + nq) // pp)                                # [n] pages read
+        full = (cached + 1) // pp                                      # [n] seen whole by all
+        width = int(total.max())
+        nb = -(-width // c)
+        table = torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables])
+        # logical page L of sequence b is chunk L % c of block block_table[L // c]
+        page = (table[:, :, None] + torch.arange(c) * pages.num_blocks).flatten(1)[:, :width]
+        L = torch.arange(width)[None, :].expand(n, width)
+        held = L < total[:, None]                                      # [n, width]
+        slot = (torch.arange(n)[:, None] * pages.num_pages + page)[held]
+        front = torch.minimum(full[:, None] + L, torch.clamp(total - 1, min=0)[:, None])
+        meta = torch.zeros(4, self.batch, width, dtype=i32)
+        meta[0, :n] = torch.where(L < full[:, None], page, 0)          # full pages, in order
+        meta[1, :n] = page.gather(1, front)                            # partial ones, in front
+        meta[2, :n, 0], meta[3, :n, 0] = full, total - full            # their counts
+        lens = torch.zeros(self.batch, self.qlen, dtype=i32)
+        lens[:n] = cached[:, None] + i + 1                             # keys query i sees
+        # query rows [batch * qlen] (padded sequences repeat row q_index[0, 0]); rows kept
+        pad = q_index[:1, :1].expand(self.batch - n, self.qlen)
+        valid = (torch.arange(self.qlen)[None, :] < nq[:, None]).flatten()
+        take = valid.nonzero().squeeze(1)                              # into [n * qlen]
+        meta, lens, values = _upload([meta, lens, L[held].to(i32)], dev)
+        slot, self.q_index, self.take, self.rows = _upload(
+            [slot, torch.cat([q_index, pad]).flatten(), take, q_index.flatten()[take]], dev)
+        # The mask's buffers, rewritten in place: a compiled kernel reads the same tensors.
+        pages.logical[:self.batch].fill_(-1)
+        pages.logical.view(-1).index_put_((slot,), values)
+        pages.lens[:self.batch, :self.qlen] = lens
+        full_buf, part_buf = pages.full[:self.batch], pages.partial[:self.batch]
+        full_buf.zero_()
+        part_buf.zero_()
+        full_buf[:, 0, 0, :width] = meta[0]
+        part_buf[:, 0, 0, :width] = meta[1]
+        self.block_mask = BlockMask.from_kv_blocks(
+            meta[3, :, :1, None].contiguous(), part_buf, meta[2, :, :1, None].contiguous(),
+            full_buf, BLOCK_SIZE=(128, pp), mask_mod=pages.mask_mod,
+            seq_lengths=(self.qlen, pages.num_pages * pp), compute_q_blocks=False)
+
+    def run(self, q, k, v, k_cache, v_cache, out, scale, workspace, compute) -> None:
+        p = self.pages
+        keys, values = p.sequence_of(k_cache), p.sequence_of(v_cache)
+        query = q.index_select(0, self.q_index).view(self.batch, self.qlen, *q.shape[1:])
+        o = p.attend(query.transpose(1, 2).contiguous(), keys, values, block_mask=self.block_mask,
+                     scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(-1, *q.shape[1:])               # [batch * qlen, heads, d]
+        out.index_copy_(0, self.rows, o.index_select(0, self.take).to(out.dtype))
