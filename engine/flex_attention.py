@@ -59,22 +59,35 @@ def missing() -> str | None:
     return None
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def bucket(n: int, top: int) -> int:
-    """The smallest power of two >= n, at most `top` (>= n)."""
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, max(top, n))
+    """pow2(n), at most `top` (but never below n)."""
+    return min(pow2(n), max(top, n))
 
 
 class FlexPages:
     """One model's pool layers as FlexAttention reads them, and the block mask's buffers.
 
     layers: per layer (K, V), each [num_blocks, chunks, tokens_per_chunk, kv_heads, d], views
-    of a token-major pool (`BlockPool.layers`); max_batch: the most sequences in one group."""
+    of a token-major pool (`BlockPool.layers`); max_batch: the most sequences in one group;
+    group: query heads per KV head.
+
+    Compiled, every call must take torch's decode kernel (query tokens < 128, the batch and
+    heads static, one block-mask head): its tiles shrink to a 16-token page, while the general
+    kernel's need pages of 32 or more. That kernel packs a KV head's query heads into one tile,
+    so `group` must be a power of two, and a tile of query rows (query tokens x group, at least
+    16) must divide the block mask's query block (`q_block`)."""
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int,
-                 compiled: bool):
+                 compiled: bool, group: int = 1):
+        if compiled and group & (group - 1):
+            raise ValueError(f"{group} query heads per KV head: the compiled decode kernel "
+                             f"packs a power of two")
+        self.group = group
         k0 = layers[0][0]
         self.num_blocks, self.chunks, self.per_page, heads, d = k0.shape
         self.num_pages = self.num_blocks * self.chunks
@@ -101,6 +114,11 @@ class FlexPages:
             cfg = _dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
             self.attend = torch.compile(flex_attention, dynamic=False)
+
+    def q_block(self, qlen: int) -> int:
+        """The block mask's query block for `qlen` query tokens a sequence: 128, or the decode
+        kernel's query tile (qlen x group rounded up to a power of two) where that is larger."""
+        return max(128, pow2(qlen * self.group))
 
     def sequence_of(self, cache: torch.Tensor) -> torch.Tensor:
         """[1, kv_heads, slots, d]: the pool view `cache` (one layer's K or V) as one sequence."""
@@ -188,7 +206,7 @@ class FlexGroup:
         part_buf[:, 0, 0, :width] = meta[1]
         self.block_mask = BlockMask.from_kv_blocks(
             meta[3, :, :1, None].contiguous(), part_buf, meta[2, :, :1, None].contiguous(),
-            full_buf, BLOCK_SIZE=(128, pp), mask_mod=pages.mask_mod,
+            full_buf, BLOCK_SIZE=(pages.q_block(self.qlen), pp), mask_mod=pages.mask_mod,
             seq_lengths=(self.qlen, pages.num_pages * pp), compute_q_blocks=False)
 
     def run(self, q, k, v, k_cache, v_cache, out, scale, workspace, compute) -> None:

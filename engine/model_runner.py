@@ -78,7 +78,9 @@ class ModelRunner:
 
     def _flex_pages(self, max_batch: int) -> FlexPages | None:
         try:
-            return FlexPages(self.layers, max_batch, compiled=self.device.type == "cuda")
+            shape = self.forward.shape
+            return FlexPages(self.layers, max_batch, compiled=self.device.type == "cuda",
+                             group=shape.num_heads // shape.num_kv_heads)
         except ValueError as exc:          # a pool this model cannot be read from in place
             logger.warning("FlexAttention off for this model (%s): decode gathers its KV", exc)
             self.backend = "sdpa"

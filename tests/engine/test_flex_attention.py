@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.attention import PagedAttention, SeqSlice, paged_backend, token_major
-from engine.flex_attention import FlexGroup, FlexPages, bucket
+from engine.flex_attention import FlexGroup, FlexPages, bucket, pow2
 from engine.kv_cache import BlockPool
 from test_attention import reference
 
@@ -154,5 +154,20 @@ def test_which_path_and_which_layout():
 
 
 def test_buckets():
+    assert [pow2(n) for n in (0, 1, 2, 3, 4, 5, 129)] == [1, 1, 2, 4, 4, 8, 256]
     assert [bucket(n, 128) for n in (1, 2, 3, 5, 64, 65, 128)] == [1, 2, 4, 8, 64, 128, 128]
     assert bucket(70, 96) == 96 and bucket(100, 96) == 100
+
+
+def test_the_compiled_decode_kernel_gets_shapes_it_takes():
+    """Torch's decode kernel packs a KV head's query heads into a tile: a group that is not a
+    power of two is refused (the runner then gathers), and the query block holds the tile."""
+    pool, lay = _pool("target", 0.0)
+    layers = pool.layers(lay)
+    with pytest.raises(ValueError, match="power of two"):
+        FlexPages(layers, 4, compiled=True, group=6)
+    assert FlexPages(layers, 4, compiled=False, group=6).q_block(32) == 256     # eager: any
+    eight = FlexPages(layers, 4, compiled=False, group=8)
+    assert [eight.q_block(n) for n in (1, 8, 32)] == [128, 128, 256]
+    g = FlexGroup(eight, [[1, 2]], [5], [9], [0])
+    assert g.qlen == 32 and g.block_mask.BLOCK_SIZE == (256, lay.tokens_per_block)
