@@ -27,7 +27,7 @@ from engine.step_cost import LinearCost, LinearStepCost, TableCost, TableStepCos
 # costs more than a decode row there; a table timed at a short context under-prices both, and
 # adaptive k over-drafts at large batches.
 CONTEXT = 192
-VERSION = 15                      # bump when the forward's speed changes (kernels, layout, the
+VERSION = 16                      # bump when the forward's speed changes (kernels, layout, the
 #                                   way the grid is timed): cached tables then re-measure
 SEQS = (1, 2, 4, 8, 16, 32)                     # batch sizes timed
 TOKENS_PER_SEQ = (1, 2, 3, 5, 8)                 # query tokens per sequence (1 + k)

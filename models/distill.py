@@ -12,6 +12,7 @@ wires them), prompts (`models/distill_prompts.py`), nor serving or swapping the 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -304,6 +305,14 @@ def init_deepspeed(model, ds_config: dict):
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
+    # the submodule: `deepspeed.comm.torch` as an attribute is the torch the package imported
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if os.environ["WORLD_SIZE"] == "1":
+        # One rank never calls DeepSpeed's shared-memory all-reduce, but its backend builds
+        # that C++ op at start: minutes of compiling on a busy 2-core machine, under a lock file
+        # that a process killed mid-build leaves behind, and every later start then waits on
+        # it for ever. Alone, this process skips the build.
+        ds_torch.build_shm_op = lambda: None
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     engine, optimizer, _, scheduler = deepspeed.initialize(

@@ -84,5 +84,12 @@ if [ -n "$FAM" ]; then
         --json "$OUT/bench-cuda-$DTYPE.json" || fail "bench engine"
 fi
 
+# With time left inside the 8 minutes: the other side of the block-size trade (decision 0037).
+if [ "$SECONDS" -lt 390 ]; then
+    stage "roofline with 64-token blocks (FlexAttention only)"
+    BLOCK_SIZE=64 ATTENTION=flex timeout $((470 - SECONDS)) "$PY" scripts/gpu_roofline.py \
+        || fail "roofline, 64-token blocks"
+fi
+
 stage "done: $FAILED failed stage(s)"
 exit "$FAILED"

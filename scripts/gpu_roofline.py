@@ -9,8 +9,9 @@ the GPU memory plan), measures the device's copy bandwidth, and times:
 - a verify of k + 1 = 5 tokens against a decode at batch 1;
 each with the engine's attention (FlexAttention over the pool in place, compiled: the first
 call at a shape builds its kernel, reported as first_call_s) and then with the gather + SDPA
-fallback on the same pool and weights (ATTENTION=flex or sdpa runs one alone).
-Prints a table and writes it as JSON to $OUT/roofline.json.
+fallback on the same pool and weights (ATTENTION=flex or sdpa runs one alone; BLOCK_SIZE sets
+the engine's block_size, 16 by default: a page caps the decode kernel's key tile).
+Prints a table and writes it as JSON to $OUT/roofline-b<tokens per block>.json.
 """
 
 import json
@@ -102,7 +103,8 @@ def main() -> int:
     if not (draft / "model.safetensors.index.json").exists():
         write_random_llama(draft, 16, 2048, 32, 8, 8192, 128256, shards=1, max_position=8192)
     engine = LLMEngine(EngineConfig(str(target), str(draft), dtype="bfloat16", device="cuda",
-                                    max_num_seqs=128, max_model_len=8192, profile=False))
+                                    max_num_seqs=128, max_model_len=8192, profile=False,
+                                    block_size=int(os.environ.get("BLOCK_SIZE", "16"))))
     bw = copy_bandwidth()
     pool = engine.pool
     weights = engine.target_model.weight_bytes
@@ -121,7 +123,7 @@ def main() -> int:
               "target_weight_bytes": weights, "kv_bytes_per_token": kv_token,
               "tokens_per_block": pool.target.tokens_per_block, "cuda_graphs": False,
               "rows": rows}
-    (OUT / "roofline.json").write_text(json.dumps(result, indent=1))
+    (OUT / f"roofline-b{pool.target.tokens_per_block}.json").write_text(json.dumps(result, indent=1))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; target weights {weights / 2**30:.1f} GiB")
     print(f"{'attention':>9} {'batch':>5} {'context':>7} {'step ms':>8} {'roofline ms':>11} "
           f"{'ratio':>6} {'first s':>7}")

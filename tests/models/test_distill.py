@@ -334,3 +334,19 @@ def test_a_focus_without_a_cap_is_refused_before_anything_runs(tiny_family, prom
                  str(tmp_path / "o"), "--steps", "1", "--focus", "code"])
     assert code == 2 and "--focus needs --max-prompts" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_lone_rank_builds_no_deepspeed_comm_op(tmp_path, monkeypatch):
+    """DeepSpeed's backend builds a shared-memory all-reduce op (C++, compiled at first use:
+    tens of seconds, minutes on a busy machine) that one rank never calls. A process killed
+    mid-build left its lock file behind and the next distillation waited on it for ever (the
+    suite hung so). Alone, `init_deepspeed` builds nothing."""
+    import torch
+
+    from models.distill import default_ds_config, init_deepspeed
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    model = torch.nn.Linear(4, 4)
+    engine, _, _ = init_deepspeed(model, default_ds_config(batch_size=1, zero_stage=0))
+    assert engine.module is model
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
