@@ -7,6 +7,8 @@ the GPU memory plan), measures the device's copy bandwidth, and times:
 - a target decode forward at batch 1/8/32/64/128 and context 1k/4k, against the roofline
   (weight bytes + KV bytes read) / measured copy bandwidth;
 - a verify of k + 1 = 5 tokens against a decode at batch 1;
+- host synchronisations in each of 12 engine steps of one speculative request (torch's sync
+  debug mode), once the sweeps are written;
 each with the engine's attention (FlexAttention over the pool in place, compiled: the first
 call at a shape builds its kernel, reported as first_call_s) and then with the gather + SDPA
 fallback on the same pool and weights (ATTENTION=flex or sdpa runs one alone; BLOCK_SIZE sets
@@ -95,6 +97,32 @@ def sweep(runner, pool, weights, kv_token, bw, label) -> list[dict]:
     return rows
 
 
+def host_syncs(engine, steps: int = 12) -> dict:
+    """Host synchronisations per engine step (torch's sync debug mode counts each one), for one
+    speculative request of greedy tokens: the step's own, scheduling and sampling included."""
+    import warnings
+
+    from engine.sampling_params import RequestOptions, SamplingParams
+
+    engine.add_request("sync", list(range(1, 200)), SamplingParams(temperature=0, max_tokens=64,
+                                                                   ignore_eos=True),
+                       RequestOptions("speculative", k_max=4))
+    for _ in range(3):                   # prefill, and the first kernels built
+        engine.step()
+    counts = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(steps):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    engine.abort("sync")
+    return {"steps": steps, "per_step": counts}
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     target, draft = WORK / "target-8b", WORK / "draft-1b"
@@ -124,6 +152,11 @@ def main() -> int:
               "tokens_per_block": pool.target.tokens_per_block, "cuda_graphs": False,
               "rows": rows}
     (OUT / f"roofline-b{pool.target.tokens_per_block}.json").write_text(json.dumps(result, indent=1))
+    if not os.environ.get("ATTENTION"):      # the engine's step as served (written above first)
+        result["host_syncs"] = host_syncs(engine)
+        print("host synchronisations per step:", result["host_syncs"], flush=True)
+        (OUT / f"roofline-b{pool.target.tokens_per_block}.json").write_text(
+            json.dumps(result, indent=1))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; target weights {weights / 2**30:.1f} GiB")
     print(f"{'attention':>9} {'batch':>5} {'context':>7} {'step ms':>8} {'roofline ms':>11} "
           f"{'ratio':>6} {'first s':>7}")
