@@ -49,7 +49,7 @@ VERIFY_BUCKET = QUERY_BUCKETS[-1]
 # Shapes a compiled kernel is built for: batch buckets (powers of two up to max_num_seqs) x
 # query buckets; dynamo's default of 8 recompiles a function would send the rest to eager
 # FlexAttention, which scores every slot of the pool (out of memory on a GPU's pool).
-RECOMPILE_LIMIT = 64
+RECOMPILE_LIMIT = 128
 
 
 def missing() -> str | None:

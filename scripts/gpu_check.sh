@@ -29,7 +29,7 @@ fail() { echo "!!! stage failed: $*"; FAILED=$((FAILED + 1)); }
 
 stage "environment"
 nvidia-smi || true
-timeout 60 "$PY" - <<'EOF' || fail environment
+timeout 30 "$PY" - <<'EOF' || fail environment
 import torch, transformers
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 print("transformers", transformers.__version__)
@@ -46,15 +46,15 @@ stage "decode step against the roofline (8B-shaped target, 1B-shaped draft, bf16
 timeout 230 "$PY" scripts/gpu_roofline.py || fail "roofline"
 
 stage "TP = 2 on this one GPU (gloo) against TP = 1"
-timeout 50 "$PY" scripts/gpu_tp_check.py || fail "tp check"
+timeout 100 "$PY" scripts/gpu_tp_check.py || fail "tp check"
 
 stage "CUDA tests (pytest -m gpu)"
 if timeout 20 "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 80 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_gpu.py \
+    timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_gpu.py \
         --junitxml="$OUT/gpu-tests.xml" || fail "gpu tests"
 else
     echo "pytest is not installed for $PY: running the same checks without it"
-    timeout 80 "$PY" scripts/gpu_tests_nopytest.py || fail "gpu tests (no pytest)"
+    timeout 60 "$PY" scripts/gpu_tests_nopytest.py || fail "gpu tests (no pytest)"
 fi
 
 stage "model family"
@@ -79,7 +79,7 @@ echo "family: $FAM"
 
 stage "bench engine --device cuda ($DTYPE)"
 if [ -n "$FAM" ]; then
-    timeout 60 "$PY" -m cluster bench engine --family "$FAM" --device cuda --dtype "$DTYPE" \
+    timeout 40 "$PY" -m cluster bench engine --family "$FAM" --device cuda --dtype "$DTYPE" \
         --threads 2 --prompts 3 --new-tokens 128 --k-max 6 --batches 1,4,16,32,64 \
         --json "$OUT/bench-cuda-$DTYPE.json" || fail "bench engine"
 fi

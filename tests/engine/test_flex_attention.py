@@ -171,3 +171,21 @@ def test_the_compiled_decode_kernel_gets_shapes_it_takes():
     assert [eight.q_block(n) for n in (1, 8, 32)] == [128, 128, 256]
     g = FlexGroup(eight, [[1, 2]], [5], [9], [0])
     assert g.qlen == 32 and g.block_mask.BLOCK_SIZE == (256, lay.tokens_per_block)
+
+
+def test_a_new_runner_of_the_same_shapes_builds_no_new_kernel():
+    """A swapped draft or another engine in the process gets new buffers and a new mask rule
+    of the same shapes: the compiled kernels are reused, not built again (each build counts
+    against dynamo's recompile limit, past which FlexAttention runs eager)."""
+    from torch._dynamo.utils import counters
+
+    def attend():
+        pool, lay = _pool("target", 0.0)
+        layers = pool.layers(lay)
+        seqs = [SeqSlice([1, 2, 3], 9, 1), SeqSlice([4, 5], 5, 1)]
+        q, k = torch.randn(2, HEADS, D), torch.randn(2, KV_HEADS, D)
+        PagedAttention(layers, seqs, D ** -0.5, flex=FlexPages(layers, 8, compiled=True))(0, q, k, k)
+        return counters["stats"]["unique_graphs"]
+
+    built = attend()
+    assert attend() == built
