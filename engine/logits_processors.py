@@ -128,7 +128,10 @@ class Processors:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids,
                  grammar_cache_dir: str | None = None):
         self.vocab_size = vocab_size
-        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos_token_ids)
+        # a checkpoint without a tokenizer (random benchmark weights) serves token ids alone
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = min(eos_token_ids, default=0)
         self.grammars = GrammarCompiler(tokenizer, eos, grammar_cache_dir)
         self.compiling: list = []       # sequences admitted once their grammar is compiled
 
@@ -141,6 +144,10 @@ class Processors:
                                     f"{self.vocab_size}", "logit_bias")
         grammar = None
         if params.json_schema is not None:
+            if self.grammars.tokenizer is None:
+                raise InvalidParamError("response_format: the served model has no tokenizer, "
+                                        "and JSON output is compiled against one",
+                                        "response_format")
             try:
                 grammar = self.grammars.compile_later(params.json_schema)
                 if isinstance(grammar, Future) and grammar.done() and grammar.exception():

@@ -35,32 +35,44 @@ from models.synthetic import write_random_llama  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", ROOT / "gpu-check-out"))
 WORK = Path(os.environ.get("WORK", "/tmp/specserve-gpu"))
-BATCHES = (1, 8, 32, 64, 128)
-CONTEXTS = (1024, 4096)
+# DRY_RUN=1: the whole script on CPU with tiny random models (eager FlexAttention), so that a
+# GPU's minutes are not spent finding a Python error
+DRY = os.environ.get("DRY_RUN") == "1"
+DEVICE = "cpu" if DRY else "cuda"
+BATCHES = (1, 3) if DRY else (1, 8, 32, 64, 128)
+CONTEXTS = (40,) if DRY else (1024, 4096)
+# (layers, hidden, heads, kv heads, MLP, vocab): Llama-3-8B and Llama-3.2-1B, or tiny
+TARGET = (2, 64, 4, 2, 128, 256) if DRY else (32, 4096, 32, 8, 14336, 128256)
+DRAFT = (1, 64, 4, 2, 128, 256) if DRY else (16, 2048, 32, 8, 8192, 128256)
+
+
+def sync() -> None:
+    if not DRY:
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth() -> float:
     """Bytes a second of a device-to-device copy (read + write counted)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(1 << (20 if DRY else 30), dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    torch.cuda.synchronize()
+    sync()
     start, n = time.perf_counter(), 20
     for _ in range(n):
         dst.copy_(src)
-    torch.cuda.synchronize()
+    sync()
     return 2 * src.numel() * n / (time.perf_counter() - start)
 
 
 def timed(fn, repeats: int = 10) -> float:
     for _ in range(2):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / repeats
 
 
@@ -78,7 +90,7 @@ def sweep(runner, pool, weights, kv_token, bw, label) -> list[dict]:
             seqs = [SeqSlice(t, ctx, 1) for t in tables]
             start = time.perf_counter()
             runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch)))
-            torch.cuda.synchronize()
+            sync()
             first = time.perf_counter() - start        # the first call builds the kernels
             step = timed(lambda: runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch))))
             roofline = (weights + batch * ctx * kv_token) / bw
@@ -110,7 +122,8 @@ def host_syncs(engine, steps: int = 12) -> dict:
     for _ in range(3):                   # prefill, and the first kernels built
         engine.step()
     counts = []
-    torch.cuda.set_sync_debug_mode("warn")
+    if not DRY:
+        torch.cuda.set_sync_debug_mode("warn")
     try:
         for _ in range(steps):
             with warnings.catch_warnings(record=True) as caught:
@@ -118,21 +131,24 @@ def host_syncs(engine, steps: int = 12) -> dict:
                 engine.step()
             counts.append(sum("synchroniz" in str(w.message) for w in caught))
     finally:
-        torch.cuda.set_sync_debug_mode(0)
+        if not DRY:
+            torch.cuda.set_sync_debug_mode(0)
     engine.abort("sync")
     return {"steps": steps, "per_step": counts}
 
 
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    target, draft = WORK / "target-8b", WORK / "draft-1b"
+    target, draft = WORK / ("tiny-target" if DRY else "target-8b"), WORK / ("tiny-draft" if DRY else "draft-1b")
     if not (target / "model.safetensors.index.json").exists():
-        write_random_llama(target, 32, 4096, 32, 8, 14336, 128256, shards=4, max_position=8192)
+        write_random_llama(target, *TARGET, shards=4, max_position=8192)
     if not (draft / "model.safetensors.index.json").exists():
-        write_random_llama(draft, 16, 2048, 32, 8, 8192, 128256, shards=1, max_position=8192)
-    engine = LLMEngine(EngineConfig(str(target), str(draft), dtype="bfloat16", device="cuda",
+        write_random_llama(draft, *DRAFT, shards=1, max_position=8192)
+    engine = LLMEngine(EngineConfig(str(target), str(draft), dtype="bfloat16", device=DEVICE,
                                     max_num_seqs=128, max_model_len=8192, profile=False,
-                                    block_size=int(os.environ.get("BLOCK_SIZE", "16"))))
+                                    block_size=int(os.environ.get("BLOCK_SIZE", "16")),
+                                    attention="flex" if DRY else "fused",
+                                    kv_budget_bytes=(4 << 20) if DRY else None))
     bw = copy_bandwidth()
     pool = engine.pool
     weights = engine.target_model.weight_bytes
@@ -147,7 +163,8 @@ def main() -> int:
     rows = []
     for label, runner in runners.items():
         rows += sweep(runner, pool, weights, kv_token, bw, label)
-    result = {"device": torch.cuda.get_device_name(0), "copy_bandwidth_Bps": bw,
+    result = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(0),
+              "copy_bandwidth_Bps": bw,
               "target_weight_bytes": weights, "kv_bytes_per_token": kv_token,
               "tokens_per_block": pool.target.tokens_per_block, "cuda_graphs": False,
               "rows": rows}
