@@ -87,26 +87,36 @@ def sweep(runner, pool, weights, kv_token, bw, label) -> list[dict]:
                              "skipped": "KV budget"})
                 continue
             tables = [pool.allocate(per_seq, "target") for _ in range(batch)]
-            seqs = [SeqSlice(t, ctx, 1) for t in tables]
-            start = time.perf_counter()
-            runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch)))
-            sync()
-            first = time.perf_counter() - start        # the first call builds the kernels
-            step = timed(lambda: runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch))))
-            roofline = (weights + batch * ctx * kv_token) / bw
-            row = {"attention": label, "batch": batch, "context": ctx, "step_ms": step * 1e3,
-                   "roofline_ms": roofline * 1e3, "ratio": step / roofline,
-                   "first_call_s": first}
-            if batch == 1:
-                verify = [SeqSlice(tables[0], ctx, 5)]
-                v = timed(lambda: runner.run(verify, [1] * 5, list(range(ctx, ctx + 5)),
-                                             list(range(5))))
-                row["verify5_over_decode"] = v / step
-            rows.append(row)
-            for t in tables:
-                pool.free(t, "target")
-            print(json.dumps(row), flush=True)
+            try:
+                row = cell(runner, tables, ctx, weights, kv_token, bw)
+            except RuntimeError as exc:     # out of memory (the gather's buffers), say: go on
+                row = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                if not DRY:
+                    torch.cuda.empty_cache()
+            finally:
+                for t in tables:
+                    pool.free(t, "target")
+            rows.append({"attention": label, "batch": batch, "context": ctx, **row})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def cell(runner, tables, ctx, weights, kv_token, bw) -> dict:
+    batch = len(tables)
+    seqs = [SeqSlice(t, ctx, 1) for t in tables]
+    start = time.perf_counter()
+    runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch)))
+    sync()
+    first = time.perf_counter() - start        # the first call builds the kernels
+    step = timed(lambda: runner.run(seqs, [1] * batch, [ctx] * batch, list(range(batch))))
+    roofline = (weights + batch * ctx * kv_token) / bw
+    row = {"step_ms": step * 1e3, "roofline_ms": roofline * 1e3, "ratio": step / roofline,
+           "first_call_s": first}
+    if batch == 1:
+        verify = [SeqSlice(tables[0], ctx, 5)]
+        v = timed(lambda: runner.run(verify, [1] * 5, list(range(ctx, ctx + 5)), list(range(5))))
+        row["verify5_over_decode"] = v / step
+    return row
 
 
 def host_syncs(engine, steps: int = 12) -> dict:
@@ -161,24 +171,24 @@ def main() -> int:
     if only := os.environ.get("ATTENTION"):
         runners = {only: runners[only]}
     rows = []
-    for label, runner in runners.items():
-        rows += sweep(runner, pool, weights, kv_token, bw, label)
     result = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(0),
               "copy_bandwidth_Bps": bw,
               "target_weight_bytes": weights, "kv_bytes_per_token": kv_token,
               "tokens_per_block": pool.target.tokens_per_block, "cuda_graphs": False,
               "rows": rows}
-    (OUT / f"roofline-b{pool.target.tokens_per_block}.json").write_text(json.dumps(result, indent=1))
-    if not os.environ.get("ATTENTION"):      # the engine's step as served (written above first)
+    out = OUT / f"roofline-b{pool.target.tokens_per_block}.json"
+    for label, runner in runners.items():      # written after each part: a timeout keeps them
+        rows += sweep(runner, pool, weights, kv_token, bw, label)
+        out.write_text(json.dumps(result, indent=1))
+    if not os.environ.get("ATTENTION"):      # the engine's step as served
         result["host_syncs"] = host_syncs(engine)
         print("host synchronisations per step:", result["host_syncs"], flush=True)
-        (OUT / f"roofline-b{pool.target.tokens_per_block}.json").write_text(
-            json.dumps(result, indent=1))
+        out.write_text(json.dumps(result, indent=1))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; target weights {weights / 2**30:.1f} GiB")
     print(f"{'attention':>9} {'batch':>5} {'context':>7} {'step ms':>8} {'roofline ms':>11} "
           f"{'ratio':>6} {'first s':>7}")
     for r in rows:
-        if "skipped" not in r:
+        if "step_ms" in r:
             print(f"{r['attention']:>9} {r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} "
                   f"{r['roofline_ms']:>11.2f} {r['ratio']:>6.2f} {r['first_call_s']:>7.1f}")
     return 0
