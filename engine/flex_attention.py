@@ -29,8 +29,8 @@ The block mask (`BlockMask`, KV_BLOCK_SIZE = one page; one query tile per sequen
 Shapes are bucketed (batch to a power of two, query tokens to one of `QUERY_BUCKETS`: padded
 rows repeat a real one and are dropped) and the metadata lives in buffers made once, the page
 lists as wide as the pool, so a compiled kernel sees a few fixed shapes and the same tensors
-every forward. Compiled (`torch.compile`) on CUDA; eager
-elsewhere (the dense reference, for tests: it scores every slot of the pool).
+every forward. Compiled (`torch.compile`) on CUDA; eager elsewhere (the dense reference, for
+tests: it scores every slot of the pool). docs/decisions/0037-flex-attention-on-gpus.md.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ class FlexGroup:
 
     Same interface as `engine.attention._Group`: `run(q, k, v, k_cache, v_cache, out, scale,
     workspace, compute)` writes the group's rows of `out` [num_tokens, heads, d]. The metadata
-    is computed on the host from the sequences' block tables and sent in one copy per tensor."""
+    is computed on the host from the sequences' block tables and sent in two copies (its
+    32-bit and its 64-bit tensors)."""
 
     def __init__(self, pages: FlexPages, block_tables: list[list[int]], num_cached: list[int],
                  num_query: list[int], starts: list[int]):
