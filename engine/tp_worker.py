@@ -206,6 +206,11 @@ class TPWorker:
         """What loading this rank's shard cost in resident memory (`load_memory`)."""
         return dict(self.load_memory)
 
+    def attention_path(self) -> dict:
+        """The attention path this rank's runner took and its pool's layout (`paged_backend`,
+        `token_major` in engine/attention.py): the same as rank 0's."""
+        return {"backend": self.runner.backend, "token_major": self.pool.token_major}
+
 
 def _serve(conn, kwargs) -> None:
     try:

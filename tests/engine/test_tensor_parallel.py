@@ -50,6 +50,8 @@ def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, dra
     try:
         engine = LLMEngine(config, peers=peers)
         assert engine.target.backend == attention and engine.pool.token_major == (attention == "flex")
+        assert peers.call_rank(1, "attention_path") == {"backend": attention,
+                                                   "token_major": attention == "flex"}
         tpb = engine.pool.target.tokens_per_block
         assert (tpb == 16) == (draft == "same_shape"), tpb     # the odd draft changes the layout
         assert _run(engine) == [hf_greedy(hf_target, p, 12) for p in PROMPTS]
