@@ -36,13 +36,15 @@ a near-tie, and in bfloat16 such moves flip roundings (docs/decisions/0004-cpu-k
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from engine import flex_attention
 from engine.cpu_attention import paged_attention, write_kv
-from engine.flex_attention import FlexGroup, FlexPages
+
+if TYPE_CHECKING:
+    from engine.flex_attention import FlexPages
 
 VERIFY_MAX = 17          # query tokens up to this are grouped with speculative verifies
 
@@ -85,6 +87,19 @@ class _Gathers:
         return g.view(self.batch, -1, *cache.shape[-2:])[:, :self.lk].transpose(1, 2)
 
 
+def query_rows(starts: list[int], num_cached: list[int], num_query: list[int], width: int,
+               device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences whose num_query new tokens start at row starts[b] of the flat batch, each
+    padded to `width` query rows (a pad repeats the sequence's last row): (rows [n, width], the
+    keys each row sees [n, width] (query i of a sequence with num_cached tokens cached sees
+    num_cached + i + 1), real [n, width] bool)."""
+    nq = torch.tensor(num_query, dtype=torch.long, device=device)
+    i = torch.minimum(torch.arange(width, device=device)[None, :], (nq - 1)[:, None])
+    rows = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + i
+    lens = torch.tensor(num_cached, dtype=torch.long, device=device)[:, None] + i + 1
+    return rows, lens, torch.arange(width, device=device)[None, :] < nq[:, None]
+
+
 class _Group(_Gathers):
     """Sequences with similar query lengths, attended in one call per layer."""
 
@@ -117,20 +132,16 @@ class _Group(_Gathers):
         # The kernel reads the pool at these ids unchecked: the highest is checked against the
         # pool's size per call (`_fused`), as torch's indexing checks it on the SDPA path.
         self.top = max(max(t) for t in table)
-        start = torch.tensor([starts[i] for i in members], dtype=torch.long, device=device)
-        nq_t = torch.tensor(nq, dtype=torch.long, device=device)
-        cached = torch.tensor([s.num_cached for s in ss], dtype=torch.long, device=device)
-        i = torch.minimum(torch.arange(self.qmax, device=device)[None, :], (nq_t - 1)[:, None])
-        self.q_index = (start[:, None] + i).flatten()                # [b * qmax]; pads repeat a row
         # Query i of sequence b sees its keys 0 .. lens[b, i] - 1 (the fused kernel's form);
         # SDPA takes that as a mask over the longest sequence's keys.
-        self.lens = cached[:, None] + i + 1                          # [b, qmax]
-        self.q_rows = self.q_index.view(self.batch, self.qmax)
+        self.q_rows, self.lens, valid = query_rows([starts[i] for i in members],
+                                                   [s.num_cached for s in ss], nq, self.qmax,
+                                                   device)
+        self.q_index = self.q_rows.flatten()                         # [b * qmax]; pads repeat a row
         self.mask = None if fused else self._mask()
         if self.qmax == 1:
             self.valid, self.rows = None, self.q_index
         else:
-            valid = torch.arange(self.qmax, device=device)[None, :] < nq_t[:, None]
             self.valid = valid.flatten().nonzero().squeeze(1)
             self.rows = self.q_index[self.valid]
 
@@ -229,10 +240,12 @@ def paged_backend(device: torch.device | str, attention: str) -> str:
     the runner falls back to "sdpa" where it cannot be built); "flex", FlexAttention over the
     pool in place ("fused" on a GPU, or asked for by name); "sdpa", gather + SDPA (asked for,
     or where FlexAttention is missing)."""
+    from engine.flex_attention import missing        # (it imports this module)
+
     cpu = torch.device(device).type == "cpu"
     if attention == "sdpa" or (attention == "fused" and cpu):
         return attention
-    return "sdpa" if flex_attention.missing() else "flex"
+    return "sdpa" if missing() else "flex"
 
 
 def token_major(device: torch.device | str, attention: str) -> bool:
@@ -294,6 +307,8 @@ class PagedAttention:
             # Decode and verify together: one FlexAttention call a layer, decode rows padded to
             # the verifies' query count (the kernel reads each sequence's keys once for all
             # its rows); the group owns `flex`'s buffers for this forward.
+            from engine.flex_attention import FlexGroup     # (it imports this module)
+
             g = groups[0] + groups[1]
             self.groups.append(FlexGroup(flex, [seqs[i].block_table for i in g],
                                          [seqs[i].num_cached for i in g],

@@ -41,13 +41,14 @@ from itertools import chain
 import numpy as np
 import torch
 
+from engine.attention import query_rows
+
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # torch < 2.5
     BlockMask = flex_attention = None
 
 QUERY_BUCKETS = (1, 8, 32)   # query tokens per sequence are padded to one of these
-VERIFY_BUCKET = QUERY_BUCKETS[-1]
 # Shapes a compiled kernel is built for: batch buckets (powers of two up to max_num_seqs) x
 # query buckets; dynamo's default of 8 recompiles a function would send the rest to eager
 # FlexAttention, which scores every slot of the pool (out of memory on a GPU's pool).
@@ -91,15 +92,15 @@ class FlexPages:
                              f"packs a power of two")
         self.group = group
         k0 = layers[0][0]
-        self.num_blocks, self.chunks, self.per_page, heads, d = k0.shape
+        self.num_blocks, self.chunks, self.per_page = k0.shape[:3]
         self.num_pages = self.num_blocks * self.chunks
         self.device = k0.device
         # each layer's K and V view, by its address (what a group's `run` is handed)
         self.sequences = {t.data_ptr(): _as_sequence(t) for kv in layers for t in kv}
-        self.max_batch = bucket(max_batch, max_batch)
+        self.max_batch = max_batch
         b, p, i32 = self.max_batch, self.num_pages, torch.int32
         self.logical = torch.full((b, p), -1, dtype=i32, device=self.device)   # [batch, pages]
-        self.lens = torch.zeros(b, VERIFY_BUCKET, dtype=i32, device=self.device)
+        self.lens = torch.zeros(b, QUERY_BUCKETS[-1], dtype=i32, device=self.device)
         self.partial = torch.zeros(b, 1, 1, p, dtype=i32, device=self.device)
         self.full = torch.zeros(b, 1, 1, p, dtype=i32, device=self.device)
         per_page, logical, lens = self.per_page, self.logical, self.lens
@@ -135,9 +136,9 @@ def _eager(*args, **kwargs):
 
 
 def _padded(tables: list[list[int]], width: int) -> torch.Tensor:
-    """[len(tables), width] int64: each table's first `width` entries, 0 past its end. Through
-    numpy's fromiter: a batch of 128 tables of 256 blocks in 0.4 ms, where padding the lists
-    and handing them to torch.tensor took 3.3 ms (a GPU's whole weight-bound step is ~4 ms)."""
+    """[len(tables), width] int64: each table's first `width` entries, 0 past its end. Built
+    through numpy's fromiter, which is several times faster than padded lists through
+    torch.tensor at a GPU's batch sizes (docs/decisions/0037)."""
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
     starts = np.cumsum(lens) - lens
@@ -178,14 +179,13 @@ class FlexGroup:
         self.batch = bucket(n, pages.max_batch)
         qmax = max(num_query)
         self.qlen = next((b for b in QUERY_BUCKETS if b >= qmax), qmax)
-        if self.batch > pages.max_batch or self.qlen > VERIFY_BUCKET:
+        if self.batch > pages.max_batch or self.qlen > QUERY_BUCKETS[-1]:
             raise ValueError(f"a FlexAttention group of {n} sequences x {qmax} queries exceeds "
-                             f"{pages.max_batch} x {VERIFY_BUCKET}")
+                             f"{pages.max_batch} x {QUERY_BUCKETS[-1]}")
         c, pp = pages.chunks, pages.per_page
+        q_index, keys_seen, valid = query_rows(starts, num_cached, num_query, self.qlen)
         cached = torch.tensor(num_cached)                              # [n]
         nq = torch.tensor(num_query)                                   # [n]
-        i = torch.minimum(torch.arange(self.qlen)[None, :], (nq - 1)[:, None])
-        q_index = torch.tensor(starts)[:, None] + i                    # [n, qlen]; pads repeat
         total = -(-(cached + nq) // pp)                                # [n] pages read
         full = (cached + 1) // pp                                      # [n] seen whole by all
         width = int(total.max())
@@ -202,11 +202,10 @@ class FlexGroup:
         meta[1, :n] = page.gather(1, front)                            # partial ones, in front
         meta[2, :n, 0], meta[3, :n, 0] = full, total - full            # their counts
         lens = torch.zeros(self.batch, self.qlen, dtype=i32)
-        lens[:n] = cached[:, None] + i + 1                             # keys query i sees
+        lens[:n] = keys_seen
         # query rows [batch * qlen] (padded sequences repeat row q_index[0, 0]); rows kept
         pad = q_index[:1, :1].expand(self.batch - n, self.qlen)
-        valid = (torch.arange(self.qlen)[None, :] < nq[:, None]).flatten()
-        take = valid.nonzero().squeeze(1)                              # into [n * qlen]
+        take = valid.flatten().nonzero().squeeze(1)                    # into [n * qlen]
         meta, lens, values = _upload([meta, lens, L[held].to(i32)], dev)
         slot, self.q_index, self.take, self.rows = _upload(
             [slot, torch.cat([q_index, pad]).flatten(), take, q_index.flatten()[take]], dev)

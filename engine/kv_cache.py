@@ -105,7 +105,8 @@ class BlockPool:
         fails to be at start, not under load).
         token_major: every chunk of keys and values `[tokens_per_chunk, num_kv_heads,
         head_dim]`, the layout paged kernels on GPUs read (`engine/flex_attention.py`);
-        False: head-major with d-major keys, the CPU kernel's (`token_major_pool`)."""
+        False: head-major with d-major keys, the CPU kernel's (`engine/attention.py:
+        token_major` decides)."""
         self.dtype, self.token_major = dtype, token_major
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.planes, tpb = _plan(block_size, target, draft)

@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import torch
 
-from engine.attention import token_major
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
+from engine.attention import token_major
 from engine.calibration import CATCH_UP_MAX, CalibratedCost
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer

@@ -70,8 +70,7 @@ class ModelRunner:
                            "into a padded buffer every layer and step, an estimated 2.5x the "
                            "weight-bound step at batch 32 x 1k context (docs/decisions/0037)",
                            flex_attention.missing())
-        self.fused = self.backend == "fused"
-        if self.fused:
+        if self.backend == "fused":
             self._build_fused()
         self.flex = self._flex_pages(max_batch) if self.backend == "flex" else None
         forward.build_kernels(plan_dir)
@@ -94,9 +93,13 @@ class ModelRunner:
         of serving, and find out whether they can be built here at all."""
         dtype, d = self.layers[0][0].dtype, self.layers[0][0].shape[-1]
         if not (cpu_attention.build(dtype, d) and cpu_ops.build(dtype)):
-            self.fused = False                       # cannot build them here: gather + SDPA
-            self.backend = "sdpa"
+            self.backend = "sdpa"                    # cannot build them here: gather + SDPA
         self.forward.ops = cpu_ops if self.fused else None
+
+    @property
+    def fused(self) -> bool:
+        """Decode and verify rows run the CPU kernel (engine/cpu_attention.py)."""
+        return self.backend == "fused"
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],

@@ -305,14 +305,12 @@ def init_deepspeed(model, ds_config: dict):
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
-    # the submodule: `deepspeed.comm.torch` as an attribute is the torch the package imported
-    ds_torch = importlib.import_module("deepspeed.comm.torch")
     if os.environ["WORLD_SIZE"] == "1":
         # One rank never calls DeepSpeed's shared-memory all-reduce, but its backend builds
-        # that C++ op at start: minutes of compiling on a busy 2-core machine, under a lock file
-        # that a process killed mid-build leaves behind, and every later start then waits on
-        # it for ever. Alone, this process skips the build.
-        ds_torch.build_shm_op = lambda: None
+        # that C++ op at start: tens of seconds of compiling, under a lock file that a process
+        # killed mid-build leaves behind, and every later start then waits on it for ever.
+        # (The submodule: the attribute `deepspeed.comm.torch` is the torch it imported.)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     engine, optimizer, _, scheduler = deepspeed.initialize(

@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +44,10 @@ def main() -> int:
                           kv_budget_bytes=8 << 20, profile=False, adaptive_k=False)
     start = time.perf_counter()
     one = greedy(LLMEngine(config))
-    peers = LocalPeers(EngineConfig(**{**config.__dict__, "tp_size": 2}))
+    config = replace(config, tp_size=2)
+    peers = LocalPeers(config)
     try:
-        engine = LLMEngine(EngineConfig(**{**config.__dict__, "tp_size": 2}), peers=peers)
+        engine = LLMEngine(config, peers=peers)
         two = greedy(engine)
         backend = engine.target.backend
     finally:
