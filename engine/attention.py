@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_attention import paged_attention, write_kv
+from engine.host_sync import upload
 
 if TYPE_CHECKING:
     from engine.flex_attention import FlexPages
@@ -88,16 +89,21 @@ class _Gathers:
 
 
 def query_rows(starts: list[int], num_cached: list[int], num_query: list[int], width: int,
-               device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequences whose num_query new tokens start at row starts[b] of the flat batch, each
     padded to `width` query rows (a pad repeats the sequence's last row): (rows [n, width], the
     keys each row sees [n, width] (query i of a sequence with num_cached tokens cached sees
-    num_cached + i + 1), real [n, width] bool)."""
-    nq = torch.tensor(num_query, dtype=torch.long, device=device)
+    num_cached + i + 1))."""
+    nq = upload(num_query, torch.long, device)
     i = torch.minimum(torch.arange(width, device=device)[None, :], (nq - 1)[:, None])
-    rows = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + i
-    lens = torch.tensor(num_cached, dtype=torch.long, device=device)[:, None] + i + 1
-    return rows, lens, torch.arange(width, device=device)[None, :] < nq[:, None]
+    rows = upload(starts, torch.long, device)[:, None] + i
+    lens = upload(num_cached, torch.long, device)[:, None] + i + 1
+    return rows, lens
+
+
+def real_rows(num_query: list[int], width: int) -> list[int]:
+    """The real (unpadded) rows of `query_rows`' [n, width], flat: computed on the host."""
+    return [b * width + i for b, n in enumerate(num_query) for i in range(n)]
 
 
 class _Group(_Gathers):
@@ -126,7 +132,7 @@ class _Group(_Gathers):
         # is 0 whichever path reads it.
         nb = -(-self.lk // tpb)
         table = [s.block_table[:nb] + s.block_table[:1] * (nb - len(s.block_table[:nb])) for s in ss]
-        self.blocks = torch.tensor(table, dtype=torch.long, device=device)
+        self.blocks = upload(table, torch.long, device)
         if self.single:
             return
         # The kernel reads the pool at these ids unchecked: the highest is checked against the
@@ -134,15 +140,14 @@ class _Group(_Gathers):
         self.top = max(max(t) for t in table)
         # Query i of sequence b sees its keys 0 .. lens[b, i] - 1 (the fused kernel's form);
         # SDPA takes that as a mask over the longest sequence's keys.
-        self.q_rows, self.lens, valid = query_rows([starts[i] for i in members],
-                                                   [s.num_cached for s in ss], nq, self.qmax,
-                                                   device)
+        self.q_rows, self.lens = query_rows([starts[i] for i in members],
+                                            [s.num_cached for s in ss], nq, self.qmax, device)
         self.q_index = self.q_rows.flatten()                         # [b * qmax]; pads repeat a row
         self.mask = None if fused else self._mask()
         if self.qmax == 1:
             self.valid, self.rows = None, self.q_index
         else:
-            self.valid = valid.flatten().nonzero().squeeze(1)
+            self.valid = upload(real_rows(nq, self.qmax), torch.long, device)
             self.rows = self.q_index[self.valid]
 
     def run(self, q, k, v, k_cache, v_cache, out, scale, workspace, compute) -> None:
@@ -331,9 +336,8 @@ class PagedAttention:
         # keeps the pool's dtype.
         self.compute = (torch.float32 if device.type == "cpu" and k_cache.dtype != torch.float32
                         else k_cache.dtype)
-        offsets = torch.tensor(offsets, dtype=torch.long, device=device)
-        self.slots = (torch.tensor(blocks, dtype=torch.long, device=device),
-                      offsets // per_chunk, offsets % per_chunk)     # block, chunk, row
+        blocks_t, offsets = upload([blocks, offsets], torch.long, device)
+        self.slots = blocks_t, offsets // per_chunk, offsets % per_chunk  # block, chunk, row
         # With the CPU kernels: each new token's element offset in every layer's views (they
         # share their strides), for `write_kv`; the highest block checked against the pool.
         self.offsets, self.top = None, max(blocks, default=0)

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.host_sync import upload
+
 SAMPLER_VERSION = "gumbel-coupled-v1"   # bump when the noise or the rule changes (fingerprint)
 
 _M32 = 0xFFFFFFFF
@@ -59,9 +61,9 @@ def _hash32(h: torch.Tensor) -> torch.Tensor:
 def row_keys(seeds: list[int], positions: list[int], device) -> torch.Tensor:
     """[rows] 32-bit keys, one per (seed, absolute position)."""
     s = [x & ((1 << 64) - 1) for x in seeds]
-    lo = torch.tensor([x & _M32 for x in s], dtype=torch.long, device=device)
-    hi = torch.tensor([x >> 32 for x in s], dtype=torch.long, device=device)
-    pos = torch.tensor([p & _M32 for p in positions], dtype=torch.long, device=device)
+    lo = upload([x & _M32 for x in s], torch.long, device)
+    hi = upload([x >> 32 for x in s], torch.long, device)
+    pos = upload([p & _M32 for p in positions], torch.long, device)
     h = _hash32(lo ^ 0x3C6EF372)
     h = _hash32(h ^ _hash32((hi + 0x1B873593) & _M32))
     return _hash32(h ^ _hash32(_mul32(pos, 0x7F4A7C15) ^ 0x3C6EF372))

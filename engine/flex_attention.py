@@ -41,7 +41,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.attention import query_rows
+from engine.attention import query_rows, real_rows
+from engine.host_sync import upload
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -135,7 +136,7 @@ def _eager(*args, **kwargs):
         return flex_attention(*args, **kwargs)
 
 
-def _padded(tables: list[list[int]], width: int) -> torch.Tensor:
+def _padded(tables: list[list[int]], width: int) -> np.ndarray:
     """[len(tables), width] int64: each table's first `width` entries, 0 past its end. Built
     through numpy's fromiter, which is several times faster than padded lists through
     torch.tensor at a GPU's batch sizes (docs/decisions/0037)."""
@@ -143,13 +144,12 @@ def _padded(tables: list[list[int]], width: int) -> torch.Tensor:
     flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
     starts = np.cumsum(lens) - lens
     j = np.arange(width)
-    table = np.where(j < lens[:, None], flat[starts[:, None] + np.minimum(j, lens[:, None] - 1)], 0)
-    return torch.from_numpy(table)
+    return np.where(j < lens[:, None], flat[starts[:, None] + np.minimum(j, lens[:, None] - 1)], 0)
 
 
 def _upload(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     """Host tensors of one dtype to `device` in one copy, as views of their shapes."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+    flat = upload(torch.cat([t.reshape(-1) for t in tensors]), tensors[0].dtype, device)
     return [part.view(t.shape) for part, t in
             zip(flat.split([t.numel() for t in tensors]), tensors)]
 
@@ -183,32 +183,34 @@ class FlexGroup:
             raise ValueError(f"a FlexAttention group of {n} sequences x {qmax} queries exceeds "
                              f"{pages.max_batch} x {QUERY_BUCKETS[-1]}")
         c, pp = pages.chunks, pages.per_page
-        q_index, keys_seen, valid = query_rows(starts, num_cached, num_query, self.qlen)
-        cached = torch.tensor(num_cached)                              # [n]
-        nq = torch.tensor(num_query)                                   # [n]
+        q_index, keys_seen = query_rows(starts, num_cached, num_query, self.qlen)
+        # the metadata, on the host (numpy), then sent in two copies
+        cached, nq = np.asarray(num_cached), np.asarray(num_query)     # [n]
         total = -(-(cached + nq) // pp)                                # [n] pages read
         full = (cached + 1) // pp                                      # [n] seen whole by all
         width = int(total.max())
         nb = -(-width // c)
         table = _padded(block_tables, nb)                              # [n, nb]
         # logical page L of sequence b is chunk L % c of block block_table[L // c]
-        page = (table[:, :, None] + torch.arange(c) * pages.num_blocks).flatten(1)[:, :width]
-        L = torch.arange(width)[None, :].expand(n, width)
+        page = (table[:, :, None] + np.arange(c) * pages.num_blocks).reshape(n, -1)[:, :width]
+        L = np.broadcast_to(np.arange(width)[None, :], (n, width))
         held = L < total[:, None]                                      # [n, width]
-        slot = (torch.arange(n)[:, None] * pages.num_pages + page)[held]
-        front = torch.minimum(full[:, None] + L, torch.clamp(total - 1, min=0)[:, None])
-        meta = torch.zeros(4, self.batch, width, dtype=i32)
-        meta[0, :n] = torch.where(L < full[:, None], page, 0)          # full pages, in order
-        meta[1, :n] = page.gather(1, front)                            # partial ones, in front
+        slot = (np.arange(n)[:, None] * pages.num_pages + page)[held]
+        front = np.minimum(full[:, None] + L, np.maximum(total - 1, 0)[:, None])
+        meta = np.zeros((4, self.batch, width), dtype=np.int32)
+        meta[0, :n] = np.where(L < full[:, None], page, 0)             # full pages, in order
+        meta[1, :n] = np.take_along_axis(page, front, 1)               # partial ones, in front
         meta[2, :n, 0], meta[3, :n, 0] = full, total - full            # their counts
         lens = torch.zeros(self.batch, self.qlen, dtype=i32)
         lens[:n] = keys_seen
         # query rows [batch * qlen] (padded sequences repeat row q_index[0, 0]); rows kept
         pad = q_index[:1, :1].expand(self.batch - n, self.qlen)
-        take = valid.flatten().nonzero().squeeze(1)                    # into [n * qlen]
-        meta, lens, values = _upload([meta, lens, L[held].to(i32)], dev)
+        take = torch.tensor(real_rows(num_query, self.qlen))            # into [n * qlen]
+        meta, lens, values = _upload([torch.from_numpy(meta), lens,
+                                      torch.from_numpy(L[held].astype(np.int32))], dev)
         slot, self.q_index, self.take, self.rows = _upload(
-            [slot, torch.cat([q_index, pad]).flatten(), take, q_index.flatten()[take]], dev)
+            [torch.from_numpy(slot), torch.cat([q_index, pad]).flatten(), take,
+             q_index.flatten()[take]], dev)
         # The mask's buffers, rewritten in place: a compiled kernel reads the same tensors.
         pages.logical[:self.batch].fill_(-1)
         pages.logical.view(-1).index_put_((slot,), values)

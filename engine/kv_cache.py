@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_sync import upload
 from engine.prefix_cache import PrefixCache
 
 
@@ -193,7 +194,7 @@ class BlockPool:
         if n == 1:
             self.pool[:, blocks[0]].zero_()
         else:
-            self.pool.index_fill_(1, torch.tensor(blocks, device=self.pool.device), 0)
+            self.pool.index_fill_(1, upload(blocks, torch.long, self.pool.device), 0)
         if self._zeroed is not None:
             self._zeroed.extend(blocks)
         self.num_empty -= n
@@ -245,7 +246,7 @@ class BlockPool:
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero these blocks, as `allocate` does (a rank whose allocator is rank 0's)."""
         if blocks:
-            self.pool.index_fill_(1, torch.tensor(blocks, device=self.pool.device), 0)
+            self.pool.index_fill_(1, upload(blocks, torch.long, self.pool.device), 0)
 
     def free(self, blocks: list[int], owner: str) -> None:
         """Let go of blocks. A block nobody holds any more becomes free; one with a prefix key

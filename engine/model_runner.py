@@ -17,6 +17,7 @@ from engine.attention import PagedAttention, SeqSlice, paged_backend
 from engine import cpu_attention, cpu_ops, flex_attention
 from engine.errors import TPGroupError
 from engine.flex_attention import FlexPages
+from engine.host_sync import upload
 
 logger = logging.getLogger(__name__)
 
@@ -102,15 +103,17 @@ class ModelRunner:
         return self.backend == "fused"
 
     @torch.inference_mode()
-    def run(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int],
-            logit_rows: list[int]) -> torch.Tensor:
-        """Feed `input_ids` (flat, sequence after sequence) -> logits [len(logit_rows), vocab]."""
+    def run(self, seqs: list[SeqSlice], input_ids: list[int] | torch.Tensor,
+            positions: list[int], logit_rows: list[int]) -> torch.Tensor:
+        """Feed `input_ids` (flat, sequence after sequence; a host list, or a tensor on this
+        runner's device such as the draft's last tokens) -> logits [len(logit_rows), vocab]."""
         if self.peers is None:
             hidden = self.hidden(seqs, input_ids, positions)
-        else:
+        else:   # the other ranks take host lists: one read of the ids (docs/decisions/0038)
+            if isinstance(input_ids, torch.Tensor):
+                input_ids = input_ids.tolist()
             hidden = self._group_forward(seqs, input_ids, positions)
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return self.forward.logits(hidden[rows])
+        return self.forward.logits(hidden[upload(logit_rows, torch.long, self.device)])
 
     def _group_forward(self, seqs, input_ids, positions) -> torch.Tensor:
         """The forward on every rank. A failure on any rank fails the group for good
@@ -135,10 +138,11 @@ class ModelRunner:
         return hidden
 
     @torch.inference_mode()
-    def hidden(self, seqs: list[SeqSlice], input_ids: list[int], positions: list[int]) -> torch.Tensor:
+    def hidden(self, seqs: list[SeqSlice], input_ids: list[int] | torch.Tensor,
+               positions: list[int]) -> torch.Tensor:
         """The forward alone (what every rank of a tensor-parallel group runs)."""
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids = upload(input_ids, torch.long, self.device)
+        pos = upload(positions, torch.long, self.device)
         attn = PagedAttention(self.layers, seqs, self.scale, self.workspace, fused=self.fused,
                               flex=self.flex)
         return self.forward.forward(ids, pos, attn)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.host_sync import upload
 from engine.sampler import exponential_noise
 
 
@@ -35,48 +36,55 @@ def rejection_sample(
     uniform: torch.Tensor | None,        # [num_draft_tokens] U(0,1), drawn per sequence
     generators: list,                 # [batch_size] generator per sequence (None: global)
 ) -> tuple[list[int], list[list[int]]]:
-    """Returns (accepted count per sequence, emitted tokens per sequence = accepted + 1)."""
+    """Returns (accepted count per sequence, emitted tokens per sequence = accepted + 1).
+
+    Everything up to the result stays on the device; the result is read in one transfer (the
+    step's one host read, `engine/host_sync.py`)."""
     device = target_logits_argmax.device
-    batch = len(num_drafts)
-    k = torch.tensor(num_drafts, dtype=torch.long, device=device)               # [batch_size]
-    cu_draft = torch.cumsum(k, 0) - k                                          # [batch_size]
-    cu_target = cu_draft + torch.arange(batch, device=device)                  # [batch_size]
-    greedy_t = torch.tensor(greedy, dtype=torch.bool, device=device)           # [batch_size]
-    num_draft_tokens = int(k.sum())
+    batch, num_draft_tokens = len(num_drafts), sum(num_drafts)
+    # seq_of[t]: the sequence of draft token t; pos[t]: its place among that sequence's drafts
+    seq_of = [i for i, n in enumerate(num_drafts) for _ in range(n)]
+    pos = [j for n in num_drafts for j in range(n)]
+    cu, cu_draft = 0, []
+    for n in num_drafts:
+        cu_draft.append(cu)
+        cu += n
+    host = upload([num_drafts, cu_draft, [int(g) for g in greedy]], torch.long, device)
+    k, cu_draft_t, greedy_t = host[0], host[1], host[2].bool()                  # [batch_size]
+    cu_target = cu_draft_t + torch.arange(batch, device=device)                 # [batch_size]
 
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     if num_draft_tokens:
-        seq_of = torch.repeat_interleave(torch.arange(batch, device=device), k)  # [num_draft_tokens]
-        target_row = torch.arange(num_draft_tokens, device=device) + seq_of      # [num_draft_tokens]
+        seq_of_t, pos_t = upload([seq_of, pos], torch.long, device)             # [num_draft_tokens]
+        target_row = torch.arange(num_draft_tokens, device=device) + seq_of_t   # [num_draft_tokens]
         accept = target_logits_argmax[target_row] == draft_ids
         if target_probs is not None:
             p = target_probs[target_row, draft_ids]
             q = draft_probs[torch.arange(num_draft_tokens, device=device), draft_ids]
-            accept = torch.where(greedy_t[seq_of], accept, uniform * q < p)     # u < p/q, strict
+            accept = torch.where(greedy_t[seq_of_t], accept, uniform * q < p)   # u < p/q, strict
         # Leading run of accepts per sequence: padded [batch_size, k_max] then cumprod.
-        pos = torch.arange(num_draft_tokens, device=device) - cu_draft[seq_of]
-        padded = torch.zeros(batch, int(k.max()), dtype=torch.long, device=device)
-        padded[seq_of, pos] = accept.long()
+        padded = torch.zeros(batch, max(num_drafts), dtype=torch.long, device=device)
+        padded[seq_of_t, pos_t] = accept.long()
         num_accepted = padded.cumprod(dim=1).sum(dim=1)
 
     final_row = cu_target + num_accepted                                       # [batch_size]
     final = target_logits_argmax[final_row]
     if target_probs is not None and not all(greedy):
-        weights = target_probs[final_row].clone()                              # bonus: p_{k+1}
-        rejected = num_accepted < k
-        if bool(rejected.any()):
-            draft_row = (cu_draft + num_accepted)[rejected]
-            residual = (weights[rejected] - draft_probs[draft_row]).clamp_(min=0.0)
-            empty = residual.sum(-1, keepdim=True) <= 0                        # p == q: fall back to p
-            weights[rejected] = torch.where(empty, weights[rejected], residual)
+        weights = target_probs[final_row]                                      # bonus: p_{k+1}
+        if num_draft_tokens:    # a rejected draft: the residual normalise(max(0, p - q))
+            draft_row = (cu_draft_t + num_accepted).clamp_(max=num_draft_tokens - 1)
+            residual = (weights - draft_probs[draft_row]).clamp_(min=0.0)
+            # p == q at the rejected row leaves no residual: sample from p
+            use = (num_accepted < k) & (residual.sum(-1) > 0)
+            weights = torch.where(use[:, None], residual, weights)
         noise = exponential_noise(batch, weights.shape[1], generators, device)
         sampled = (weights / noise).argmax(dim=-1)
         final = torch.where(greedy_t, final, sampled)
 
-    accepted_list, final_list = num_accepted.tolist(), final.tolist()
-    ids = draft_ids.tolist()
-    out, start = [], 0
+    flat = torch.cat([num_accepted, final, draft_ids]).tolist()     # the one read
+    accepted_list, final_list, ids = flat[:batch], flat[batch:2 * batch], flat[2 * batch:]
+    out = []
     for i in range(batch):
+        start = cu_draft[i]
         out.append(ids[start:start + accepted_list[i]] + [final_list[i]])
-        start += num_drafts[i]
     return accepted_list, out

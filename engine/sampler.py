@@ -12,30 +12,42 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_sync import upload
 from engine.sampling_params import GREEDY_BELOW
 
 
 @dataclass
 class RowParams:
-    """Sampling settings for a set of rows, one entry per row."""
+    """Sampling settings for a set of rows, one entry per row: on the device for the math, and
+    on the host where a branch depends on them (reading them off a GPU would wait for it)."""
     temperature: torch.Tensor        # [num_rows] float; rows with 0 are greedy
     top_k: torch.Tensor              # [num_rows] long; 0 = off
     top_p: torch.Tensor              # [num_rows] float; 1 = off
     generators: list                 # [num_rows] torch.Generator or None (engine's default)
+    greedy: list[bool] | None = None  # host: the row is greedy (None: read off the tensors)
+    cut: list[bool] | None = None     # host: the row cuts its tail (top-k or top-p)
+
+    def __post_init__(self):
+        if self.greedy is None:
+            self.greedy = (self.temperature < GREEDY_BELOW).tolist()
+        if self.cut is None:
+            self.cut = ((self.top_k > 0) | (self.top_p < 1)).tolist()
 
     @classmethod
     def build(cls, params: list, generators: list, device) -> "RowParams":
         # A greedy request's row is exactly 0, so the row and `params.greedy` never disagree.
-        return cls(temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params],
-                                            device=device),
-                   top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-                   top_p=torch.tensor([p.top_p for p in params], device=device),
-                   generators=list(generators))
+        return cls(temperature=upload([0.0 if p.greedy else p.temperature for p in params],
+                                      torch.float32, device),
+                   top_k=upload([p.top_k for p in params], torch.long, device),
+                   top_p=upload([p.top_p for p in params], torch.float32, device),
+                   generators=list(generators), greedy=[p.greedy for p in params],
+                   cut=[p.top_k > 0 or p.top_p < 1 for p in params])
 
-    def select(self, rows: torch.Tensor) -> "RowParams":
-        idx = rows.tolist()
-        return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                         [self.generators[i] for i in idx])
+    def select(self, rows: list[int]) -> "RowParams":
+        idx = upload(rows, torch.long, self.temperature.device)
+        return RowParams(self.temperature[idx], self.top_k[idx], self.top_p[idx],
+                         [self.generators[i] for i in rows], [self.greedy[i] for i in rows],
+                         [self.cut[i] for i in rows])
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -56,7 +68,7 @@ def probabilities(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     greedy = rp.temperature < GREEDY_BELOW
     temp = torch.where(greedy, torch.ones_like(rp.temperature), rp.temperature)
     logits = logits / temp[:, None]
-    if bool((rp.top_k > 0).any()) or bool((rp.top_p < 1).any()):
+    if any(rp.cut):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
         k = torch.where(rp.top_k > 0, rp.top_k.clamp(max=vocab), torch.full_like(rp.top_k, vocab))
@@ -70,7 +82,7 @@ def probabilities(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
-    if bool(greedy.any()):
+    if any(rp.greedy):
         one_hot = torch.zeros_like(probs).scatter_(1, greedy_tokens(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
@@ -90,20 +102,22 @@ def exponential_noise(shape_rows: int, width: int, generators: list, device) -> 
     if len(shared) == shape_rows:
         noise.uniform_()
     elif shared:
-        noise[shared] = torch.rand(len(shared), width, device=device)
+        noise.index_copy_(0, upload(shared, torch.long, device),
+                          torch.rand(len(shared), width, device=device))
     for i, gen in enumerate(generators):
         if gen is None:
             continue
         if gen.device == noise.device:
             noise[i].uniform_(generator=gen)
         else:   # a seeded request's CPU generator: draw there, so the seed means the same
-            noise[i] = torch.rand(width, generator=gen).to(device)
+            noise[i] = upload(torch.rand(width, generator=gen), noise.dtype, device)
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_().neg_()
 
 
 def uniforms(counts: list[int], generators: list, device) -> torch.Tensor:
     """Flat U(0,1) draws: counts[i] of them from generators[i], concatenated."""
-    parts = [torch.rand(n, generator=gen, device=gen.device if gen is not None else device).to(device)
+    parts = [torch.rand(n, device=device) if gen is None else
+             upload(torch.rand(n, generator=gen, device=gen.device), torch.float32, device)
              for n, gen in zip(counts, generators) if n]
     return torch.cat(parts) if parts else torch.empty(0, device=device)
 

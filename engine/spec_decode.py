@@ -17,7 +17,6 @@ a count (`num_computed`), since slots past it are simply overwritten later.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from engine.attention import SeqSlice
 from engine.coupled_sampler import coupled_seed, couple_rows
 from engine.logits_processors import process
+from engine.host_sync import StepClock, upload
 from engine.logprobs import TokenLogprob, prompt_rows, row_logprobs
 from engine.model_runner import ModelRunner
 from engine.rejection_sampler import rejection_sample
@@ -52,90 +52,108 @@ class StepResult:
 
 def propose(draft: ModelRunner, items: list[ScheduledSeq], rp: RowParams, greedy: bool,
             seeds: list):
-    """k_i draft tokens for each item -> (drafted, flat_ids, flat_q): drafted[i] the k_i ids of
-    item i, flat_ids [sum k] the same ids flat, flat_q [sum k, vocab] their draft probabilities
-    (None when every row is greedy).
+    """k_i draft tokens for each item -> (drafted, flat_ids, flat_q): flat_ids [sum k] the
+    drafts on the device, item after item, flat_q [sum k, vocab] their draft probabilities
+    (None when every row is greedy), drafted[i] the k_i ids of item i as host lists, only where
+    a logits processor needs them (else None: the drafts stay on the device, and each round
+    feeds the last round's tokens to the next without a host read).
 
     seeds[i]: the coupled sampler's seed for item i (None: sample from q with its generator).
     """
-    drafted: list[list[int]] = [[] for _ in items]
     processing = any(it.seq.processor is not None for it in items)
-    probs: list[list[torch.Tensor]] = [[] for _ in items]
+    drafted: list[list[int]] | None = [[] for _ in items] if processing else None
+    rounds, order, q_rounds = [], [], []    # each round's tokens [active], and (item, round)
+    last, prev_active = None, []
     for j in range(max(it.k for it in items)):
         active = [i for i, it in enumerate(items) if it.k > j]
-        seqs, ids, pos, rows = [], [], [], []
+        seqs, pos, rows, ids = [], [], [], []
         for i in active:
             s = items[i].seq
             if j == 0:   # catch up on everything the draft has not seen, ending with the last token
-                start, feed = s.draft_computed, s.token_ids[s.draft_computed:]
+                start, num = s.draft_computed, len(s.token_ids) - s.draft_computed
+                ids += s.token_ids[start:]
             else:
-                start, feed = len(s.token_ids) + j - 1, [drafted[i][-1]]
-            seqs.append(SeqSlice(s.draft_blocks, start, len(feed)))
-            ids += feed
-            pos += range(start, start + len(feed))
-            rows.append(len(ids) - 1)
+                start, num = len(s.token_ids) + j - 1, 1
+            seqs.append(SeqSlice(s.draft_blocks, start, num))
+            pos += range(start, start + num)
+            rows.append(len(pos) - 1)
+        if j > 0:       # the last round's tokens of the items still drafting
+            ids = last if active == prev_active else last[
+                upload([prev_active.index(i) for i in active], torch.long, last.device)]
         logits = draft.run(seqs, ids, pos, rows)                            # [len(active), vocab]
         if processing:
             logits = process(logits, [(items[i].seq, drafted[i]) for i in active])
         if greedy:
-            tokens = greedy_tokens(logits).tolist()
+            tokens = greedy_tokens(logits)
         else:
-            sub = rp.select(torch.tensor(active))
+            sub = rp.select(active)
             q = probabilities(logits, sub)
-            tokens = sample(q, sub.generators)
-            tokens = couple_rows(tokens, q, [seeds[i] for i in active],
-                                 [len(items[i].seq.token_ids) + j for i in active]).tolist()
-            for i, row in zip(active, q):
-                probs[i].append(row)
-        for i, t in zip(active, tokens):
-            drafted[i].append(t)
+            tokens = couple_rows(sample(q, sub.generators), q, [seeds[i] for i in active],
+                                 [len(items[i].seq.token_ids) + j for i in active])
+            q_rounds.append(q)
+        if processing:
+            for i, t in zip(active, tokens.tolist()):
+                drafted[i].append(t)
+        rounds.append(tokens)
+        order += [(i, j) for i in active]
+        last, prev_active = tokens, active
     for it in items:   # provisional: corrected to the accepted prefix after verification
         it.seq.draft_computed = len(it.seq.token_ids) + it.k - 1
-    flat_ids = torch.tensor([t for d in drafted for t in d], dtype=torch.long, device=draft.device)
-    flat_q = None if greedy else torch.stack([r for p in probs for r in p])
+    # the rounds' rows, round after round, reordered item after item
+    where = {key: n for n, key in enumerate(order)}
+    perm = upload([where[(i, j)] for i, it in enumerate(items) for j in range(it.k)],
+                  torch.long, draft.device)
+    flat_ids = torch.cat(rounds)[perm]
+    flat_q = None if greedy else torch.cat(q_rounds)[perm]
     return drafted, flat_ids, flat_q
 
 
 def step(items: list[ScheduledSeq], target: ModelRunner,
          draft: ModelRunner | None) -> tuple[list[StepResult], StepTimes]:
     """The step's results, one per item, and the time its draft rounds and its target forward
-    took (`StepTimes`)."""
+    took (`StepTimes`). A decode step reads the device once, for the accepted tokens
+    (`rejection_sample`); the drafts reach the verify forward on the device."""
     sampling = [it for it in items if it.samples]
     spec = spec_items = [it for it in sampling if it.k > 0]
     greedy = all(it.seq.params.greedy for it in sampling)
     seeds = [coupled_seed(it.seq.params) for it in sampling]    # None: rejection sampling
     rp = RowParams.build([it.seq.params for it in sampling],
                          [it.seq.generator for it in sampling], target.device)
-    drafted, draft_error, draft_s = {}, None, 0.0
+    clock = StepClock(target.device)
+    drafted, draft_error = {}, None
     draft_ids, draft_q = torch.empty(0, dtype=torch.long, device=target.device), None
     if spec:
         spec_rows = [i for i, it in enumerate(sampling) if it.k > 0]
-        start = time.perf_counter()
-        try:      # (`propose` ends on the host: its tokens come back as lists, so no sync here)
-            lists, draft_ids, draft_q = propose(draft, spec, rp.select(torch.tensor(spec_rows)),
-                                                greedy, [seeds[i] for i in spec_rows])
-            drafted = {id(it): d for it, d in zip(spec, lists)}
-            draft_s = time.perf_counter() - start
+        clock.mark("draft")
+        try:
+            lists, draft_ids, draft_q = propose(draft, spec, rp.select(spec_rows), greedy,
+                                                [seeds[i] for i in spec_rows])
+            drafted = {id(it): d for it, d in zip(spec, lists)} if lists is not None else {}
+            clock.mark("drafted")
         except Exception as exc:       # the draft is down: verify these sequences with k = 0
             draft_error = exc
             for it in spec:
                 it.k = 0
             spec = []
+            draft_ids = torch.empty(0, dtype=torch.long, device=target.device)
 
-    # Verify: one target forward over every scheduled sequence.
-    seqs, ids, pos, rows, scored = _verify_feed(items, drafted)
+    # Verify: one target forward over every scheduled sequence, the drafts written into its
+    # token ids on the device.
+    seqs, ids, pos, rows, scored, slots = _verify_feed(items)
+    ids = upload(ids, torch.long, target.device)
+    if slots:
+        ids.index_copy_(0, upload(slots, torch.long, target.device), draft_ids)
     num_rows = len(rows) if sampling else 1
     extra = [r for pairs in scored.values() for r, _ in pairs]
-    start = time.perf_counter()
+    clock.mark("verify")
     logits = target.run(seqs, ids, pos, (rows if sampling else [0]) + extra)
+    clock.mark("verified")
     prompt_lp = _prompt_logprobs(items, scored, logits[num_rows:])
     if not sampling:
         return [StepResult(it, 0, [], prompt_logprobs=prompt_lp.get(id(it)))
-                for it in items], StepTimes(draft_s)
+                for it in items], StepTimes(clock.seconds("draft", "drafted"),
+                                            clock.seconds("verify", "verified"))
     logits = logits[:num_rows]                                         # [sum(k+1), vocab]
-    if logits.is_cuda:         # timed to the end of the forward (the CPU runs it in the call)
-        torch.cuda.synchronize(logits.device)
-    times = StepTimes(draft_s, time.perf_counter() - start)
     # Verify row j of a sequence is processed as if its first j drafts were emitted, as the
     # draft's round j was (engine/logits_processors.py).
     if any(it.seq.processor is not None for it in sampling):
@@ -148,16 +166,17 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
     ks = [it.k for it in sampling]
     choice, p, u = greedy_tokens(logits), None, None
     if not greedy:
-        per_row = torch.repeat_interleave(torch.arange(len(sampling)), torch.tensor(ks) + 1)
+        per_row = [i for i, k in enumerate(ks) for _ in range(k + 1)]
         p = probabilities(logits, rp.select(per_row))
         u = uniforms(ks, rp.generators, target.device)
         if any(s is not None for s in seeds):      # per-row bookkeeping only when needed
-            row_seeds = [seeds[i] for i in per_row.tolist()]
             positions = [len(it.seq.token_ids) + j for it in sampling for j in range(it.k + 1)]
-            choice = couple_rows(choice, p, row_seeds, positions)
+            choice = couple_rows(choice, p, [seeds[i] for i in per_row], positions)
     rule_greedy = [it.seq.params.greedy or s is not None for it, s in zip(sampling, seeds)]
     accepted, emitted = rejection_sample(draft_ids, ks, choice, rule_greedy,
                                          p, draft_q, u, rp.generators)
+    # (the device has run the step: its clock can be read)
+    times = StepTimes(clock.seconds("draft", "drafted"), clock.seconds("verify", "verified"))
     failed = {id(it) for it in spec_items} if draft_error is not None else set()
     token_lp = _emitted_logprobs(sampling, ks, emitted, logits)
     kept = _emitted_logits(sampling, ks, emitted, logits)
@@ -168,24 +187,27 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
             for it in items], times
 
 
-def _verify_feed(items: list[ScheduledSeq], drafted: dict):
+def _verify_feed(items: list[ScheduledSeq]):
     """The verify forward's inputs: each item's slice, the flat ids and positions (its chunk or
-    last token, then its drafts), the rows whose logits sample (k + 1 per sampling item), and
-    {id(item): [(flat row, prompt token it scores)]} for the items scoring their prompt."""
-    seqs, ids, pos, rows, scored = [], [], [], [], {}
+    last token, then its k drafts, as 0 here), the rows whose logits sample (k + 1 per sampling
+    item), {id(item): [(flat row, prompt token it scores)]} for the items scoring their prompt,
+    and the flat rows where the drafts go, item after item (`propose`'s flat order)."""
+    seqs, ids, pos, rows, scored, slots = [], [], [], [], {}, []
     for it in items:
-        s = it.seq
-        feed = s.token_ids[s.num_computed:s.num_computed + it.num_feed] + drafted.get(id(it), [])
-        seqs.append(SeqSlice(s.blocks, s.num_computed, len(feed), it.prefill_align))
+        s, k = it.seq, it.k if it.samples else 0
+        feed = s.token_ids[s.num_computed:s.num_computed + it.num_feed]
+        seqs.append(SeqSlice(s.blocks, s.num_computed, len(feed) + k, it.prefill_align))
         if s.prompt_logprobs is not None:
             scored[id(it)] = [(len(ids) + p - s.num_computed, s.token_ids[p + 1]) for p in
                               prompt_rows(len(s.prompt_logprobs), s.num_computed, it.num_feed,
                                           s.num_prompt)]
         ids += feed
-        pos += range(s.num_computed, s.num_computed + len(feed))
+        slots += range(len(ids), len(ids) + k)
+        ids += [0] * k
+        pos += range(s.num_computed, s.num_computed + len(feed) + k)
         if it.samples:
-            rows += range(len(ids) - it.k - 1, len(ids))
-    return seqs, ids, pos, rows, scored
+            rows += range(len(ids) - k - 1, len(ids))
+    return seqs, ids, pos, rows, scored, slots
 
 
 def _emitted_rows(ks: list[int], emitted: list[list[int]], items: list[int]) -> list[int]:

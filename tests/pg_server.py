@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
 
 from models.rendezvous import free_port

@@ -254,7 +254,7 @@ def _print(s: dict, sweep: list[dict]) -> None:
     print(f"acceptance {s['acceptance_rate']:.3f}; speed-up {s['speculative_speedup']:.2f}x vs analytic "
           f"{s['analytic_speedup']:.2f}x ({s['speculative_vs_analytic']:.2f} of it); greedy identical: "
           f"{s['greedy_identical']}")
-    print(f"\n| batch | transformers | baseline | speculative (k) | adaptive | adaptive / best |")
+    print("\n| batch | transformers | baseline | speculative (k) | adaptive | adaptive / best |")
     print("|---|---|---|---|---|---|")
     for r in sweep:
         best = max(r["baseline_tok_s"], r["speculative_tok_s"])

@@ -17,7 +17,7 @@ from router.config import AppConfig
 from router.keys import KeyTable
 from router.ledger import read_records
 from router.store import Database
-from serving_helpers import MODEL, served_app, sse_events
+from serving_helpers import MODEL, served_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 DRAIN_S = 2.0

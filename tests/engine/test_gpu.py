@@ -78,3 +78,29 @@ def test_cuda_speculative_equals_plain(make_engine, dtype):
         arrivals.setdefault(rng.randrange(4), []).append((f"r{i}", p, params, opts))
     outs, _ = run_all(e, arrivals)
     assert [outs[f"r{i}"] for i in range(len(prompts))] == plain
+
+
+def test_cuda_decode_step_synchronises_once(make_engine):
+    """A speculative decode step (greedy and sampled rows, k = 3) waits for the GPU once: torch's
+    sync debug mode flags each synchronisation (docs/decisions/0038-one-host-read-per-step.md;
+    tests/engine/test_host_syncs.py counts the same calls on the CPU)."""
+    import warnings
+
+    e = make_engine(device="cuda", adaptive_k=False)
+    for i, t in enumerate([0.0, 1.0]):
+        e.add_request(f"r{i}", [5 + i, 7, 9, 11] * 4, SamplingParams(temperature=t, max_tokens=64,
+                                                                     ignore_eos=True),
+                      RequestOptions(mode="speculative", k_max=3))
+    for _ in range(4):                   # the prefill, and every kernel built
+        e.step()
+    counts = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(6):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                e.step()
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert max(counts) <= 1, counts

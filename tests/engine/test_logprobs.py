@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 
-from conftest import run_all
 from engine.sampling_params import RequestOptions, SamplingParams
 
 PROMPTS = [[5 + i, 7, 9 + 2 * i, 11] * (1 + i % 3) + [20 + i] * (i % 2) for i in range(6)]

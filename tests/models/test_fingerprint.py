@@ -4,7 +4,6 @@ the config or the tokenizer, and with the numerics a replica runs."""
 import json
 import shutil
 
-import torch
 
 from deployments.engine_server import EngineServer
 from models.fingerprint import checkpoint_digest

@@ -7,7 +7,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import sqlite3
-import time
 
 import pytest
 

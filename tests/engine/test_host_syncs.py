@@ -1,0 +1,91 @@
+"""A decode step reads the device once, for its accepted tokens, and sends the device nothing
+through a blocking copy (docs/decisions/0038-one-host-read-per-step.md). On a GPU each such read
+or copy stalls the host; here `tests/host_syncs.py` counts the calls that would, on the CPU.
+tests/engine/test_gpu.py counts the real synchronisations where a GPU is at hand."""
+
+import pytest
+import torch
+
+from engine.host_sync import StepClock, upload
+from engine.sampling_params import RequestOptions, SamplingParams
+from host_syncs import HostSyncs
+
+STEPS = 6
+
+
+def _decode_steps(engine, speculative: bool) -> HostSyncs:
+    """Four requests (greedy, sampled, top-p, top-k) past their prefill, then STEPS steps
+    counted."""
+    params = [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, max_tokens=64, ignore_eos=True)]
+    mode = "speculative" if speculative else "baseline"
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", [5 + i, 7, 9, 11] * (3 + i), p,
+                           RequestOptions(mode=mode, k_max=3))
+    for _ in range(3):
+        engine.step()
+    assert all(s.num_computed >= s.num_prompt for s in engine.seqs.values())   # decoding now
+    drafted = engine.metrics.data.num_draft_tokens
+    counter = HostSyncs()
+    with counter:
+        for _ in range(STEPS):
+            engine.step()
+    if speculative:     # every step drafted k = 3 for each request
+        assert engine.metrics.data.num_draft_tokens - drafted == STEPS * 3 * len(params)
+    return counter
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "baseline"])
+@pytest.mark.parametrize("attention", ["flex", "fused"])
+def test_a_decode_step_reads_the_device_once(make_engine, attention, speculative):
+    """The draft's rounds feed their tokens to the next round and to the verify forward on the
+    device, and the accept rule reads its result in one transfer. Red when a round's tokens
+    come back to the host, when a branch reads a sampling setting off the device, or when the
+    accepted counts and tokens are read apart."""
+    engine = make_engine(draft=speculative, adaptive_k=False, attention=attention)
+    counter = _decode_steps(engine, speculative)
+    assert sum(counter.reads.values()) == STEPS, counter.reads
+    if attention == "flex":    # the GPU's path: its metadata goes up without blocking too
+        assert sum(counter.uploads.values()) == 0, counter.uploads
+
+
+def test_the_counter_sees_reads_and_blocking_copies():
+    """The tool the test above rests on: red if it misses what it must count."""
+    counter = HostSyncs(tests=True)
+    x = torch.arange(6)
+    with counter:
+        x.tolist(), bool(x.any()), int(x.sum()), x[x > 2], x.nonzero()
+        torch.tensor([1, 2], device="cpu"), x.to("cpu")
+        upload([1, 2], torch.long, "cpu"), x + 1
+    assert sum(counter.reads.values()) == 5, counter.reads
+    assert sum(counter.uploads.values()) == 2, counter.uploads
+
+
+def test_upload_and_the_step_clock_on_the_host():
+    assert upload([[1, 2], [3, 4]], torch.int32, "cpu").tolist() == [[1, 2], [3, 4]]
+    assert upload(torch.arange(3), torch.float32, None).dtype == torch.float32
+    clock = StepClock("cpu")
+    clock.mark("a")
+    clock.mark("b")
+    assert clock.seconds("a", "b") >= 0 and clock.seconds("a", "missing") == 0.0
+
+
+def test_drafts_fed_on_the_device_reach_their_own_rows(make_engine, tiny_family):
+    """The target as its own draft, requests of k 1 to 4 side by side, greedy and sampled: every
+    draft is accepted. Red when a round feeds another request's token, or the flat drafts
+    (round after round on the device) reach the verify forward or the accept rule in another
+    order than item after item: output stays lossless then, acceptance does not."""
+    from conftest import run_all
+
+    engine = make_engine(draft=tiny_family["target"], adaptive_k=False)
+    for i in range(4):
+        engine.add_request(f"r{i}", [5 + i, 7, 9 + i, 11] * (2 + i),
+                           SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=24,
+                                          ignore_eos=True),
+                           RequestOptions(mode="speculative", k_max=1 + i))
+    run_all(engine)
+    data = engine.metrics.data
+    assert data.num_draft_tokens > 40
+    assert data.num_accepted_tokens == data.num_draft_tokens
