@@ -263,6 +263,20 @@ def _group_of(num_query: int) -> int:
     return 0 if num_query == 1 else 1 if num_query <= VERIFY_MAX else 2
 
 
+def _kv_slots(blocks: list[int], offsets: list[int], per_chunk: int, device,
+              pad: tuple[int, int] | None, flex) -> tuple[torch.Tensor, ...]:
+    """Where each new token's KV goes: (block, chunk, row) tensors. Padded (`pad`), the padding
+    tokens' go to the scratch block, through `flex`'s slot buffer."""
+    if pad is None:
+        blocks_t, offsets_t = upload([blocks, offsets], torch.long, device)
+        return blocks_t, offsets_t // per_chunk, offsets_t % per_chunk
+    extra = pad[0] - len(blocks)
+    slots = flex.slots[:, :pad[0]]
+    slots.copy_(upload([blocks + [pad[1]] * extra, [o // per_chunk for o in offsets] + [0] * extra,
+                        [o % per_chunk for o in offsets] + [0] * extra], torch.long, device))
+    return tuple(slots)
+
+
 class PagedAttention:
     """The `attn(layer, q, k, v)` callable a model's forward uses for one batch.
 
@@ -275,10 +289,13 @@ class PagedAttention:
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], seqs: list[SeqSlice],
                  scale: float, workspace: dict | None = None, fused: bool = False,
-                 flex: FlexPages | None = None):
+                 flex: FlexPages | None = None, pad: tuple[int, int] | None = None):
         """workspace: buffers kept by the caller across forwards (gathers reuse them).
         flex: decode and verify groups run FlexAttention over these pages
-        (`engine/flex_attention.py`)."""
+        (`engine/flex_attention.py`).
+        pad: (num_tokens, scratch block): decode and verify sequences padded to num_tokens,
+        whose padding writes its KV into the scratch block; every tensor read is one of `flex`'s
+        buffers (a CUDA graph's fixed inputs, `engine/cuda_graphs.py`)."""
         self.layers, self.scale = layers, scale
         self.workspace = {} if workspace is None else workspace
         k_cache = layers[0][0]
@@ -307,6 +324,9 @@ class PagedAttention:
         # greedy speculative output equals plain decoding in bfloat16 too. SDPA's rows (and
         # torch's CPU matmuls) move with the batch shape (1e-7 in float32; in bfloat16 that
         # flips a rounding, and then a trained model's near-tie: docs/decisions/0004-cpu-kernels.md).
+        if pad is not None and (prefills or groups[2] or flex is None or pad[0] <= start):
+            raise ValueError("a padded forward takes decode and verify sequences through "
+                             "FlexAttention, with at least one padding token")
         self.groups = prefills
         if flex is not None and (groups[0] or groups[1]):
             # Decode and verify together: one FlexAttention call a layer, decode rows padded to
@@ -317,7 +337,8 @@ class PagedAttention:
             g = groups[0] + groups[1]
             self.groups.append(FlexGroup(flex, [seqs[i].block_table for i in g],
                                          [seqs[i].num_cached for i in g],
-                                         [seqs[i].num_query for i in g], [starts[i] for i in g]))
+                                         [seqs[i].num_query for i in g], [starts[i] for i in g],
+                                         pad_row=None if pad is None else pad[0] - 1))
             groups = ([], [], groups[2])
         for g in filter(None, groups):
             if _group_of(seqs[g[0]].num_query) == 2 and len(g) > 1:
@@ -336,8 +357,8 @@ class PagedAttention:
         # keeps the pool's dtype.
         self.compute = (torch.float32 if device.type == "cpu" and k_cache.dtype != torch.float32
                         else k_cache.dtype)
-        blocks_t, offsets = upload([blocks, offsets], torch.long, device)
-        self.slots = blocks_t, offsets // per_chunk, offsets % per_chunk  # block, chunk, row
+        self.padded = pad is not None
+        self.slots = _kv_slots(blocks, offsets, per_chunk, device, pad, flex)
         # With the CPU kernels: each new token's element offset in every layer's views (they
         # share their strides), for `write_kv`; the highest block checked against the pool.
         self.offsets, self.top = None, max(blocks, default=0)
@@ -354,7 +375,9 @@ class PagedAttention:
         if self.offsets is None or not write_kv(k, v, k_cache, v_cache, *self.offsets):
             k_cache.index_put_(self.slots, k)
             v_cache.index_put_(self.slots, v)
-        out = torch.empty_like(q)
+        # (a padded forward's padding rows are zeros, not whatever memory held: their values
+        # reach the scratch block, which eager FlexAttention reads under a zero weight)
+        out = torch.zeros_like(q) if self.padded else torch.empty_like(q)
         for g in self.groups:
             g.run(q, k, v, k_cache, v_cache, out, self.scale, self.workspace, self.compute)
         return out.flatten(1)

@@ -33,6 +33,11 @@ class EngineConfig:
                                          # "flex": FlexAttention on any device (eager on CPU:
                                          # tests); "sdpa": gather + SDPA everywhere.
                                          # docs/decisions/0004-cpu-kernels.md, 0037
+    graphs: str = "auto"                 # decode and verify forwards from CUDA graphs
+                                         # (engine/cuda_graphs.py): "auto" on a GPU's
+                                         # FlexAttention path at tp_size 1; "off"; "static": the
+                                         # graphs' padded forward without capture, any device
+                                         # (tests). docs/decisions/0039-cuda-graphs.md
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
     gpu_memory_utilization: float = 0.90  # share of a GPU's memory this replica plans to use
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget
@@ -93,6 +98,8 @@ class EngineConfig:
             raise ValueError("prior_acceptance must be in (0, 1)")
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if self.graphs not in ("auto", "off", "static"):
+            raise ValueError(f"graphs must be auto, off or static, got {self.graphs!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.num_threads is None:

@@ -104,6 +104,13 @@ class FlexPages:
         self.lens = torch.zeros(b, QUERY_BUCKETS[-1], dtype=i32, device=self.device)
         self.partial = torch.zeros(b, 1, 1, p, dtype=i32, device=self.device)
         self.full = torch.zeros(b, 1, 1, p, dtype=i32, device=self.device)
+        self.counts = torch.zeros(2, b, 1, 1, dtype=i32, device=self.device)  # full, partial
+        # query rows in, rows kept, rows of `out` they go to (a CUDA graph reads these)
+        rows = b * QUERY_BUCKETS[-1]
+        self.q_index, self.take, self.rows = torch.zeros(3, rows, dtype=torch.long,
+                                                         device=self.device)
+        # the KV write's (block, chunk, row) per token of a padded forward (`PagedAttention`)
+        self.slots = torch.zeros(3, rows + 1, dtype=torch.long, device=self.device)
         per_page, logical, lens = self.per_page, self.logical, self.lens
 
         def visible(b, h, q_idx, kv_idx):
@@ -173,7 +180,9 @@ class FlexGroup:
     32-bit and its 64-bit tensors)."""
 
     def __init__(self, pages: FlexPages, block_tables: list[list[int]], num_cached: list[int],
-                 num_query: list[int], starts: list[int]):
+                 num_query: list[int], starts: list[int], pad_row: int | None = None):
+        """pad_row: the rows kept are padded to batch x qlen (a CUDA graph's fixed shape, the
+        pads copying row 0 of the output into row `pad_row` of `out`, a padding token's)."""
         self.pages = pages
         n, dev, i32 = len(block_tables), pages.device, torch.int32
         self.batch = bucket(n, pages.max_batch)
@@ -206,11 +215,21 @@ class FlexGroup:
         # query rows [batch * qlen] (padded sequences repeat row q_index[0, 0]); rows kept
         pad = q_index[:1, :1].expand(self.batch - n, self.qlen)
         take = torch.tensor(real_rows(num_query, self.qlen))            # into [n * qlen]
+        rows = q_index.flatten()[take]
+        kept = take.numel() if pad_row is None else self.batch * self.qlen
+        if pad_row is not None:
+            take = torch.cat([take, torch.zeros(kept - take.numel(), dtype=torch.long)])
+            rows = torch.cat([rows, torch.full((kept - rows.numel(),), pad_row)])
         meta, lens, values = _upload([torch.from_numpy(meta), lens,
                                       torch.from_numpy(L[held].astype(np.int32))], dev)
-        slot, self.q_index, self.take, self.rows = _upload(
-            [torch.from_numpy(slot), torch.cat([q_index, pad]).flatten(), take,
-             q_index.flatten()[take]], dev)
+        slot, q_rows, take, rows = _upload(
+            [torch.from_numpy(slot), torch.cat([q_index, pad]).flatten(), take, rows], dev)
+        # Every tensor a forward reads lives in `pages`' buffers, rewritten in place: a compiled
+        # kernel and a captured CUDA graph read the same addresses every time.
+        self.q_index = pages.q_index[:self.batch * self.qlen]
+        self.take, self.rows = pages.take[:kept], pages.rows[:kept]
+        for buf, values_ in ((self.q_index, q_rows), (self.take, take), (self.rows, rows)):
+            buf.copy_(values_)
         # The mask's buffers, rewritten in place: a compiled kernel reads the same tensors.
         pages.logical[:self.batch].fill_(-1)
         pages.logical.view(-1).index_put_((slot,), values)
@@ -219,8 +238,10 @@ class FlexGroup:
         full_buf, part_buf = pages.full[:self.batch], pages.partial[:self.batch]
         full_buf[:, 0, 0, :width] = meta[0]
         part_buf[:, 0, 0, :width] = meta[1]
+        counts = pages.counts[:, :self.batch]
+        counts[:, :, 0, 0] = meta[2:, :, 0]
         self.block_mask = BlockMask.from_kv_blocks(
-            meta[3, :, :1, None].contiguous(), part_buf, meta[2, :, :1, None].contiguous(),
+            counts[1], part_buf, counts[0],
             full_buf, BLOCK_SIZE=(pages.q_block(self.qlen), pp), mask_mod=pages.mask_mod,
             seq_lengths=(self.qlen, pages.num_pages * pp), compute_q_blocks=False)
 

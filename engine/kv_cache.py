@@ -166,6 +166,18 @@ class BlockPool:
         return out
 
     # ---- allocation -------------------------------------------------------------------------
+    def reserve(self) -> int:
+        """Take the last block out of the pool for good, before any allocation: a CUDA graph's
+        scratch block (`engine/cuda_graphs.py`), where padding tokens write their KV and which
+        no sequence reads. The pool then counts one block fewer."""
+        block = self.num_blocks - 1
+        if self.num_empty != self.num_blocks or self.num_blocks < 3:
+            raise ValueError("reserve a block before any allocation, from a pool of 3 or more")
+        self._free[block] = 0
+        self.num_empty -= 1
+        self.num_blocks -= 1
+        return block
+
     def allocate(self, n: int, owner: str, after: int | None = None) -> list[int]:
         """n blocks; consecutive after block `after` when possible, else from a free run."""
         if n > self.num_free:

@@ -18,6 +18,7 @@ from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIA
 from engine.attention import token_major
 from engine.calibration import CATCH_UP_MAX, CalibratedCost
 from engine.config import EngineConfig
+from engine.cuda_graphs import graph_plan
 from engine.detokenizer import Detokenizer
 from engine.errors import EngineOverloadedError, PromptTooLongError, TPGroupError
 from engine.faults import Delays, Faults, FaultyRunner
@@ -77,10 +78,10 @@ class LLMEngine:
             pool.take_zeroed()    # from here on, the blocks zeroed here are zeroed there too
         self.peers = peers
         self.group_error: TPGroupError | None = None
-        self.target = ModelRunner(self.target_fw, pool.layers(pool.target), peers, config.attention,
-                                  zeroed=pool.take_zeroed if peers is not None else None,
-                                  plan_dir=self.plan_dir, max_batch=config.max_num_seqs)
-        self.draft = self._draft_runner(self.draft_fw) if self.draft_fw else None
+        self.graphs = graph_plan(config.graphs, config.device, tp, pool)   # (mode, scratch)
+        self.target = self._runner(self.target_fw, pool.target, peers,
+                                   pool.take_zeroed if peers is not None else None)
+        self.draft = self._runner(self.draft_fw, pool.draft) if self.draft_fw else None
         self.faults = Faults() if config.fault_injection else None    # test-only hook
         self.delays = Delays() if config.fault_injection else None
         if self.faults is not None:
@@ -402,9 +403,9 @@ class LLMEngine:
                              f"KV heads of {s.head_dim}) than the running draft: restart the replica")
         return new, forward
 
-    def _draft_runner(self, forward) -> ModelRunner:
-        return ModelRunner(forward, self.pool.layers(self.pool.draft), attention=self.config.attention,
-                           plan_dir=self.plan_dir, max_batch=self.config.max_num_seqs)
+    def _runner(self, forward, layout, peers=None, zeroed=None) -> ModelRunner:
+        return ModelRunner(forward, self.pool.layers(layout), peers, self.config.attention, zeroed,
+                           self.plan_dir, self.config.max_num_seqs, self.graphs)
 
     def swap_draft(self, loaded) -> None:
         """Run the next steps with a new draft (from `load_draft`). Every running sequence drops
@@ -412,7 +413,7 @@ class LLMEngine:
         acceptance estimate restarts from the prior. Output stays the target's (lossless)."""
         new, forward = loaded
         self.draft_model, self.draft_fw = new, forward
-        self.draft = self._draft_runner(forward)
+        self.draft = self._runner(forward, self.pool.draft)
         self.scheduler.new_draft(self.draft_swaps + 1)     # cached draft blocks are stale
         for seq in self.seqs.values():
             self.scheduler.reset_draft(seq)

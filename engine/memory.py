@@ -4,7 +4,7 @@ On a GPU, vLLM's convention (`MemoryPlan`): the replica may use `gpu_memory_util
 device; the KV budget is that, less the weights, the peak activations of the largest forward a
 step can run (measured after loading by `measure_gpu`: a target forward at the step's token
 budget and a draft round at `max_num_seqs` sequences), memory outside torch's allocator (CUDA
-context, NCCL buffers) and the CUDA-graph pool. A budget that cannot hold one `max_model_len`
+context, NCCL buffers) and the CUDA-graph pool (`graph_pool_bytes`). A budget that cannot hold one `max_model_len`
 sequence (target and draft KV) is an error at start that prints the numbers. Other ranks of a
 tensor-parallel group take rank 0's block count (rank 0 holds the draft too, so it is the one
 with least room).
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 CPU_CAP = 2 << 30
-GRAPH_POOL_BYTES = 0          # no CUDA graphs are captured yet: nothing to keep for their pool
 PLAN_K = 8                    # draft tokens a sequence may propose in one step, for planning
 
 
@@ -90,6 +89,26 @@ def activation_bytes(hidden: int, q_width: int, kv_width: int, mlp_width: int, v
     return tokens * per_token * dtype_bytes + 3 * logit_rows * vocab * 4
 
 
+def graph_pool_bytes(shapes: list[tuple[int, int, int, int]], dtype_bytes: int,
+                     max_num_seqs: int, graphs: bool) -> int:
+    """The CUDA graphs' memory pool (engine/cuda_graphs.py), shared by the target's and the
+    draft's graphs: the activations of the largest captured forward (max_num_seqs sequences of
+    8 query tokens, hidden states only: logits run outside the graphs) and the hidden states
+    each captured bucket keeps as its output. shapes: (hidden, q width, kv width, MLP width)
+    of the target (this rank's) and the draft. 0 without graphs."""
+    if not graphs:
+        return 0
+    from engine.cuda_graphs import GRAPH_QUERY_BUCKETS
+    from engine.flex_attention import bucket
+
+    top = GRAPH_QUERY_BUCKETS[-1]
+    batches = {bucket(n, max_num_seqs) for n in range(1, max_num_seqs + 1)}
+    kept = sum(b * q + 1 for b in batches for q in GRAPH_QUERY_BUCKETS)       # tokens
+    return (max(activation_bytes(*shape, 0, dtype_bytes, max_num_seqs * top + 1, 0)
+                for shape in shapes)
+            + sum(shape[0] for shape in shapes) * kept * dtype_bytes)
+
+
 def plan_tokens(max_num_batched_tokens: int, max_num_seqs: int, k: int = PLAN_K) -> int:
     """The most tokens one target forward carries: a step's token budget, or every running
     sequence verifying k drafts (k + 1 tokens each), whichever is more."""
@@ -157,8 +176,14 @@ def measure_gpu(engine) -> MemoryPlan:
     free, total = torch.cuda.mem_get_info(device)
     other = max(0, total - free - torch.cuda.memory_reserved(device))
     per_token = pool_bytes_per_token(engine)
+    models = [(engine.target_model, t)] + ([(engine.draft_model, d)] if d else [])
+    shapes = [(f.hidden_size, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim,
+               m.config.intermediate_size) for m, f in models]
+    graphs = c.graphs == "auto" and c.tp_size == 1 and c.attention in ("fused", "flex")
+    pool_graphs = graph_pool_bytes(shapes, engine.target_fw.dtype.itemsize, c.max_num_seqs,
+                                   graphs)
     return MemoryPlan(total, c.gpu_memory_utilization, weights, peak - weights, other,
-                      GRAPH_POOL_BYTES, per_token, engine.max_model_len)
+                      pool_graphs, per_token, engine.max_model_len)
 
 
 def pool_bytes_per_token(engine) -> int:
@@ -188,12 +213,17 @@ def plan_from_specs(device_bytes: int, utilization: float, target, draft, tp: in
                            target.vocab_size, dtype_bytes, tokens, max_num_seqs * (k + 1))
     weights = target.rank_weight_bytes(tp, dtype_bytes)
     per_token = target.kv_bytes_per_token(dtype_bytes) // tp
+    shapes = [(target.hidden_size, q, kv, target.intermediate_size // tp)]
     if draft is not None:
+        shapes.append((draft.hidden_size, draft.num_heads * draft.hd,
+                       draft.num_kv_heads * draft.hd, draft.intermediate_size))
         act = max(act, activation_bytes(draft.hidden_size, draft.num_heads * draft.hd,
                                         draft.num_kv_heads * draft.hd, draft.intermediate_size,
                                         draft.vocab_size, dtype_bytes, max_num_seqs,
                                         max_num_seqs))
         weights += draft.rank_weight_bytes(1, dtype_bytes)
         per_token += draft.kv_bytes_per_token(dtype_bytes)
+    # CUDA graphs: on one rank (engine/cuda_graphs.py: graph_plan)
     return MemoryPlan(device_bytes, utilization, weights, act, CUDA_CONTEXT_BYTES,
-                      GRAPH_POOL_BYTES, per_token, max_model_len)
+                      graph_pool_bytes(shapes, dtype_bytes, max_num_seqs, tp == 1),
+                      per_token, max_model_len)

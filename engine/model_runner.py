@@ -15,6 +15,7 @@ import torch
 
 from engine.attention import PagedAttention, SeqSlice, paged_backend
 from engine import cpu_attention, cpu_ops, flex_attention
+from engine.cuda_graphs import DecodeGraphs
 from engine.errors import TPGroupError
 from engine.flex_attention import FlexPages
 from engine.host_sync import upload
@@ -54,7 +55,7 @@ class ModelRunner:
     def __init__(self, forward, layers: list[tuple[torch.Tensor, torch.Tensor]],
                  peers: Peers | None = None, attention: str = "fused",
                  zeroed: Callable[[], list[int]] | None = None, plan_dir=None,
-                 max_batch: int = 256):
+                 max_batch: int = 256, graphs: tuple[str, int] | None = None):
         self.forward = forward            # models.llama.LlamaForward
         self.layers = layers              # per layer (K, V) views of the pool (BlockPool.layers)
         self.peers = peers
@@ -74,6 +75,9 @@ class ModelRunner:
         if self.backend == "fused":
             self._build_fused()
         self.flex = self._flex_pages(max_batch) if self.backend == "flex" else None
+        # (mode, scratch block): decode and verify forwards from CUDA graphs, one rank only
+        self.graphs = (DecodeGraphs(forward, layers, self.flex, self.scale, graphs[1], graphs[0])
+                       if graphs and self.flex is not None and peers is None else None)
         forward.build_kernels(plan_dir)
 
     def _flex_pages(self, max_batch: int) -> FlexPages | None:
@@ -141,6 +145,10 @@ class ModelRunner:
     def hidden(self, seqs: list[SeqSlice], input_ids: list[int] | torch.Tensor,
                positions: list[int]) -> torch.Tensor:
         """The forward alone (what every rank of a tensor-parallel group runs)."""
+        if self.graphs is not None:
+            hidden = self.graphs.hidden(seqs, input_ids, positions)
+            if hidden is not None:
+                return hidden
         ids = upload(input_ids, torch.long, self.device)
         pos = upload(positions, torch.long, self.device)
         attn = PagedAttention(self.layers, seqs, self.scale, self.workspace, fused=self.fused,

@@ -46,7 +46,7 @@ for lib in ("flashinfer", "flash_attn"):
         print(lib, "absent (torch SDPA fallback)")
 EOF
 
-stage "decode step against the roofline (8B-shaped target, 1B-shaped draft, bf16; flex, then sdpa)"
+stage "decode step against the roofline (8B-shaped target, 1B-shaped draft, bf16; flex with CUDA graphs, flex, then sdpa)"
 timeout 230 "$PY" scripts/gpu_roofline.py || fail "roofline"
 
 stage "TP = 2 on this one GPU (gloo) against TP = 1"
@@ -54,17 +54,17 @@ timeout 100 "$PY" scripts/gpu_tp_check.py || fail "tp check"
 
 stage "CUDA tests (pytest -m gpu)"
 if timeout 20 "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_gpu.py \
+    timeout 80 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_gpu.py \
         --junitxml="$OUT/gpu-tests.xml" || fail "gpu tests"
 else
     echo "pytest is not installed for $PY: running the same checks without it"
-    timeout 60 "$PY" scripts/gpu_tests_nopytest.py || fail "gpu tests (no pytest)"
+    timeout 80 "$PY" scripts/gpu_tests_nopytest.py || fail "gpu tests (no pytest)"
 fi
 
 # With time left inside the 8 minutes: the other side of the block-size trade (decision 0037).
 if [ "$SECONDS" -lt 390 ]; then
-    stage "roofline with 64-token blocks (FlexAttention only)"
-    BLOCK_SIZE=64 ATTENTION=flex timeout $((470 - SECONDS)) "$PY" scripts/gpu_roofline.py \
+    stage "roofline with 64-token blocks (FlexAttention with CUDA graphs only)"
+    BLOCK_SIZE=64 ATTENTION=flex+graphs timeout $((470 - SECONDS)) "$PY" scripts/gpu_roofline.py \
         || fail "roofline, 64-token blocks"
 fi
 

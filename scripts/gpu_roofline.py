@@ -10,8 +10,10 @@ the GPU memory plan), measures the device's copy bandwidth, and times:
 - host synchronisations in each of 12 engine steps of one speculative request (torch's sync
   debug mode), once the sweeps are written;
 each with the engine's attention (FlexAttention over the pool in place, compiled: the first
-call at a shape builds its kernel, reported as first_call_s) and then with the gather + SDPA
-fallback on the same pool and weights (ATTENTION=flex or sdpa runs one alone; BLOCK_SIZE sets
+call at a shape builds its kernel, reported as first_call_s; its forwards replayed from CUDA
+graphs, captured at a shape's second call), then FlexAttention without graphs, then the gather
++ SDPA fallback on the same pool and weights (ATTENTION=flex+graphs, flex or sdpa runs one
+alone; BLOCK_SIZE sets
 the engine's block_size, 16 by default: a page caps the decode kernel's key tile).
 Prints a table and writes it as JSON to $OUT/roofline-b<tokens per block>.json.
 """
@@ -158,23 +160,30 @@ def main() -> int:
                                     max_num_seqs=128, max_model_len=8192, profile=False,
                                     block_size=int(os.environ.get("BLOCK_SIZE", "16")),
                                     attention="flex" if DRY else "fused",
+                                    graphs="static" if DRY else "auto",
                                     kv_budget_bytes=(4 << 20) if DRY else None))
     bw = copy_bandwidth()
     pool = engine.pool
     weights = engine.target_model.weight_bytes
     kv_token = pool.target.elems_per_token * pool.element_size
-    # the engine's own runner (FlexAttention in place, engine/flex_attention.py), then the
+    # the engine's own runner (FlexAttention in place, engine/flex_attention.py, its forwards
+    # replayed from CUDA graphs, engine/cuda_graphs.py), the same without graphs, then the
     # gather + SDPA fallback over the same pool and weights
-    runners = {engine.target.backend: engine.target}
+    graphed = engine.target.graphs is not None
+    runners = {engine.target.backend + ("+graphs" if graphed else ""): engine.target}
+    if graphed:
+        runners[engine.target.backend] = ModelRunner(engine.target_fw, pool.layers(pool.target),
+                                                     attention=engine.target.backend,
+                                                     max_batch=128)
     if "sdpa" not in runners:
         runners["sdpa"] = ModelRunner(engine.target_fw, pool.layers(pool.target), attention="sdpa")
-    if only := os.environ.get("ATTENTION"):
+    if only := os.environ.get("ATTENTION"):       # flex+graphs, flex or sdpa
         runners = {only: runners[only]}
     rows = []
     result = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(0),
               "copy_bandwidth_Bps": bw,
               "target_weight_bytes": weights, "kv_bytes_per_token": kv_token,
-              "tokens_per_block": pool.target.tokens_per_block, "cuda_graphs": False,
+              "tokens_per_block": pool.target.tokens_per_block, "cuda_graphs": graphed,
               "rows": rows}
     out = OUT / f"roofline-b{pool.target.tokens_per_block}.json"
     for label, runner in runners.items():      # written after each part: a timeout keeps them

@@ -91,7 +91,7 @@ def test_cuda_decode_step_synchronises_once(make_engine):
         e.add_request(f"r{i}", [5 + i, 7, 9, 11] * 4, SamplingParams(temperature=t, max_tokens=64,
                                                                      ignore_eos=True),
                       RequestOptions(mode="speculative", k_max=3))
-    for _ in range(4):                   # the prefill, and every kernel built
+    for _ in range(6):                   # the prefill, every kernel built, every graph captured
         e.step()
     counts = []
     torch.cuda.set_sync_debug_mode("warn")
@@ -104,3 +104,23 @@ def test_cuda_decode_step_synchronises_once(make_engine):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert max(counts) <= 1, counts
+
+
+def test_cuda_graphs_replay_what_eager_forwards_compute(make_engine):
+    """Greedy speculative (k 1..4) and baseline requests arriving at different steps: with the
+    forwards captured and replayed from CUDA graphs (the default on a GPU) the tokens equal
+    those without graphs (engine/cuda_graphs.py)."""
+    prompts = [[5 + i, 7, 9 + 2 * i, 11] * (1 + i % 3) for i in range(7)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    rng = random.Random(0)
+    arrivals = {}
+    for i, p in enumerate(prompts):
+        opts = RequestOptions(mode="speculative" if i % 3 else "baseline", k_max=1 + i % 4)
+        arrivals.setdefault(rng.randrange(5), []).append((f"r{i}", p, params, opts))
+    outs = {}
+    for graphs in ("off", "auto"):
+        e = make_engine(device="cuda", adaptive_k=False, graphs=graphs)
+        outs[graphs], _ = run_all(e, dict(arrivals))
+    assert outs["auto"] == outs["off"]
+    g = e.target.graphs
+    assert g is not None and not g.failed and g.graphs and e.draft.graphs.graphs

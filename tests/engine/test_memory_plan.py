@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from engine.hardware import GPUS, MODELS, GiB
-from engine.memory import InsufficientMemoryError, MemoryPlan, activation_bytes, plan_from_specs
+from engine.memory import (InsufficientMemoryError, MemoryPlan, activation_bytes,
+                           graph_pool_bytes, plan_from_specs)
 
 A100 = GPUS["A100-80GB"]
 
@@ -68,6 +69,31 @@ def test_production_small_tier_and_70b_on_one_gpu():
                             max_model_len=4096)
     with pytest.raises(InsufficientMemoryError):
         alone.check()
+
+
+def test_the_cuda_graph_pool_holds_the_largest_capture_and_every_bucket_output():
+    """engine/cuda_graphs.py captures (batch 1..128 in powers of two) x (1 or 8 query tokens),
+    batch x query + 1 tokens each: the pool holds the largest one's activations once (target
+    or draft, whichever is more) and every bucket's hidden states."""
+    target, draft = (4096, 4096, 1024, 14336), (2048, 2048, 512, 8192)
+    kept = sum(b * q + 1 for b in (1, 2, 4, 8, 16, 32, 64, 128) for q in (1, 8))
+    assert kept == 2311
+    largest = activation_bytes(*target, 0, 2, tokens=128 * 8 + 1, logit_rows=0)
+    assert graph_pool_bytes([target, draft], 2, 128, True) == largest + (4096 + 2048) * kept * 2
+    # max_num_seqs 100: the largest bucket is 100 sequences (engine/flex_attention.py: bucket)
+    kept_100 = sum(b * q + 1 for b in (1, 2, 4, 8, 16, 32, 64, 100) for q in (1, 8))
+    assert graph_pool_bytes([target], 2, 100, True) == (
+        activation_bytes(*target, 0, 2, tokens=100 * 8 + 1, logit_rows=0) + 4096 * kept_100 * 2)
+    assert graph_pool_bytes([target, draft], 2, 128, False) == 0
+    # the planner: graphs at one rank only (engine/cuda_graphs.py: graph_plan)
+    one = plan_from_specs(A100.memory_bytes, 0.90, MODELS["Llama-3-8B"], None, tp=1,
+                          dtype_bytes=2, max_num_batched_tokens=512, max_num_seqs=128,
+                          max_model_len=8192)
+    four = plan_from_specs(A100.memory_bytes, 0.90, MODELS["Llama-2-70B"], MODELS["Llama-2-7B"],
+                           tp=4, dtype_bytes=2, max_num_batched_tokens=512, max_num_seqs=64,
+                           max_model_len=4096)
+    assert one.graph_pool_bytes == graph_pool_bytes([(4096, 4096, 1024, 14336)], 2, 128, True)
+    assert four.graph_pool_bytes == 0
 
 
 def _plan_cli(config, capsys):
