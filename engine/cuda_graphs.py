@@ -87,6 +87,12 @@ class DecodeGraphs:
         """Record the bucket's forward (its inputs already written) and replay it once."""
         graph = torch.cuda.CUDAGraph()
         try:
+            # a forward on a side stream first, as torch's capture needs (lazy per-stream set-up)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.forward.forward(ids, pos, attn)
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.forward.forward(ids, pos, attn)

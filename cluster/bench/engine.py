@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--attention", default=None, choices=["sdpa", "fused", "flex"],
                    help="the engine's attention path (default: EngineConfig's)")
+    p.add_argument("--graphs", default=None, choices=["auto", "off", "static"],
+                   help="CUDA graphs for decode and verify forwards (default: EngineConfig's, "
+                        "auto: on a GPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the free cores, at most 2)")
     p.add_argument("--new-tokens", type=int, default=128)
@@ -94,7 +97,7 @@ class Bench:
 
         fam = Path(args.family)
         self.args = args
-        extra = {"attention": args.attention} if args.attention else {}
+        extra = {k: v for k, v in (("attention", args.attention), ("graphs", args.graphs)) if v}
         self.engine = LLMEngine(EngineConfig(str(fam / "target"), str(fam / "draft"), dtype=args.dtype,
                                              device=args.device, num_threads=args.threads, **extra,
                                              kv_budget_bytes=1 << 30, max_num_seqs=64,
@@ -303,7 +306,7 @@ def _sweep_only(args, b: Bench, prompts) -> int:
     result = {"family": str(args.family), "settings": {
         "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "k_max": args.k_max,
         "threads": args.threads, "device": args.device, "dtype": str(b.engine.target_fw.dtype),
-        "attention": b.engine.config.attention,
+        "attention": b.engine.config.attention, "graphs": b.engine.config.graphs,
         "greedy": args.temperature == 0, "temperature": args.temperature,
         "repeats": max(1, args.repeats), "load_avg_1m_at_end": os.getloadavg()[0]},
         "batch_sweep": sweep, "peer": peer}

@@ -6,6 +6,7 @@ tests/engine/test_gpu.py counts the real synchronisations where a GPU is at hand
 import pytest
 import torch
 
+from conftest import run_all
 from engine.host_sync import StepClock, upload
 from engine.sampling_params import RequestOptions, SamplingParams
 from host_syncs import HostSyncs
@@ -77,8 +78,6 @@ def test_drafts_fed_on_the_device_reach_their_own_rows(make_engine, tiny_family)
     draft is accepted. Red when a round feeds another request's token, or the flat drafts
     (round after round on the device) reach the verify forward or the accept rule in another
     order than item after item: output stays lossless then, acceptance does not."""
-    from conftest import run_all
-
     engine = make_engine(draft=tiny_family["target"], adaptive_k=False)
     for i in range(4):
         engine.add_request(f"r{i}", [5 + i, 7, 9 + i, 11] * (2 + i),
