@@ -112,7 +112,7 @@ def couple_rows(tokens: torch.Tensor, probs: torch.Tensor, seeds: list, position
     """
     rows = [r for r, s in enumerate(seeds) if s is not None]
     if rows:
-        tokens = tokens.clone()
-        tokens[rows] = coupled_sample(probs[rows], [seeds[r] for r in rows],
-                                      [positions[r] for r in rows]).to(tokens.device)
+        idx = upload(rows, torch.long, tokens.device)
+        tokens = tokens.clone().index_copy_(0, idx, coupled_sample(
+            probs.index_select(0, idx), [seeds[r] for r in rows], [positions[r] for r in rows]))
     return tokens

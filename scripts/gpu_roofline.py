@@ -131,7 +131,7 @@ def host_syncs(engine, steps: int = 12) -> dict:
     engine.add_request("sync", list(range(1, 200)), SamplingParams(temperature=0, max_tokens=64,
                                                                    ignore_eos=True),
                        RequestOptions("speculative", k_max=4))
-    for _ in range(3):                   # prefill, and the first kernels built
+    for _ in range(5):                   # prefill, the first kernels built, graphs captured
         engine.step()
     counts = []
     if not DRY:

@@ -3,7 +3,8 @@
 `HostSyncs` is a `TorchFunctionMode` that counts the calls this repository's code makes that
 read a tensor's values on the host (`tolist`, `item`, `bool`, `int`, `float`, `nonzero`,
 `numpy`, `cpu`, and indexing by a boolean mask) and the copies to a device that block
-(`torch.tensor` / `as_tensor` given a device, `Tensor.to` a device without `non_blocking`),
+(`torch.tensor` / `as_tensor` given a device, `Tensor.to` a device without `non_blocking`,
+indexing by a Python list),
 by call site. On a CPU every tensor is a host tensor, so the count also holds reads of tensors
 the code keeps on the host by design; a site in the list is there to be looked at.
 """
@@ -23,10 +24,18 @@ READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__", "non
 INDEXING = {"__getitem__", "__setitem__", "index_put_", "index_put"}
 
 
-def _bool_index(args) -> bool:
+def _index_parts(args) -> tuple:
     index = args[1] if len(args) > 1 else None
-    parts = index if isinstance(index, (tuple, list)) else (index,)
-    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+    return index if isinstance(index, tuple) else (index,)
+
+
+def _bool_index(args) -> bool:
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in _index_parts(args))
+
+
+def _list_index(args) -> bool:
+    """Indexing by a Python list: torch makes a host index tensor and copies it up."""
+    return any(isinstance(p, list) for p in _index_parts(args))
 
 
 class HostSyncs(TorchFunctionMode):
@@ -53,6 +62,7 @@ class HostSyncs(TorchFunctionMode):
             if site:
                 self.reads[f"{site} {name}"] += 1
         elif ((name in ("tensor", "as_tensor") and kwargs.get("device") is not None)
+              or (name in INDEXING and _list_index(args))
               or (name == "to" and not kwargs.get("non_blocking")
                   and any(isinstance(a, (torch.device, str)) for a in args[1:]))):
             site = self._site()
