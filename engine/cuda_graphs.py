@@ -29,6 +29,16 @@ from engine.host_sync import upload
 logger = logging.getLogger(__name__)
 
 GRAPH_QUERY_BUCKETS = (1, 8)    # query tokens a sequence, padded; longer forwards run eagerly
+_POOL: list = []                # the process's graph memory pool, made at the first capture
+
+
+def _shared_pool():
+    """One memory pool for every runner's graphs (the target's, the draft's, a swapped draft's):
+    they replay one at a time and each forward's output is read before the next replay, so one
+    graph's intermediates may reuse another's (engine/memory.py: graph_pool_bytes plans it)."""
+    if not _POOL:
+        _POOL.append(torch.cuda.graph_pool_handle())
+    return _POOL[0]
 
 
 class DecodeGraphs:
@@ -43,7 +53,7 @@ class DecodeGraphs:
         self.pos = torch.zeros(size, dtype=torch.long, device=flex.device)
         self.seen: set[tuple[int, int]] = set()            # buckets run once (kernels built)
         self.graphs: dict[tuple[int, int], tuple] = {}     # bucket -> (graph, hidden output)
-        self.pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
+        self.pool = _shared_pool() if mode == "capture" else None
         self.failed = False                                # a capture failed: eager from now on
         self.forwards = 0                                  # forwards run padded (or replayed)
 
