@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from engine.attention import PagedAttention, SeqSlice
+from engine.attention import PagedAttention, SeqSlice, paged_backend
 from engine.flex_attention import FlexPages, bucket
 from engine.host_sync import upload
 
@@ -115,10 +115,19 @@ class DecodeGraphs:
         return out
 
 
-def graph_plan(setting: str, device, tp_size: int, pool) -> tuple[str, int] | None:
-    """(mode, scratch block) for an engine's runners, the block reserved from `pool`; None: no
-    graphs (`EngineConfig.graphs`). A runner takes them only on FlexAttention's path."""
-    if setting == "off" or (setting == "auto" and (torch.device(device).type != "cuda"
-                                                   or tp_size > 1)):
+def graph_mode(setting: str, device, attention: str, tp_size: int) -> str | None:
+    """How an engine's runners take graphs (`EngineConfig.graphs`): "capture" ("auto" on a
+    GPU's FlexAttention path at one rank), "static", or None (no graphs)."""
+    if setting == "off" or paged_backend(device, attention) != "flex":
         return None
-    return ("static" if setting == "static" else "capture"), pool.reserve()
+    if setting == "static":
+        return "static"
+    return "capture" if torch.device(device).type == "cuda" and tp_size == 1 else None
+
+
+def graph_plan(setting: str, device, attention: str, tp_size: int,
+               pool) -> tuple[str, int] | None:
+    """(mode, scratch block) for an engine's runners, the block reserved from `pool`; None: no
+    graphs (`graph_mode`)."""
+    mode = graph_mode(setting, device, attention, tp_size)
+    return None if mode is None else (mode, pool.reserve())

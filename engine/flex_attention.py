@@ -228,9 +228,8 @@ class FlexGroup:
         # kernel and a captured CUDA graph read the same addresses every time.
         self.q_index = pages.q_index[:self.batch * self.qlen]
         self.take, self.rows = pages.take[:kept], pages.rows[:kept]
-        for buf, values_ in ((self.q_index, q_rows), (self.take, take), (self.rows, rows)):
-            buf.copy_(values_)
-        # The mask's buffers, rewritten in place: a compiled kernel reads the same tensors.
+        for buf, src in ((self.q_index, q_rows), (self.take, take), (self.rows, rows)):
+            buf.copy_(src)
         pages.logical[:self.batch].fill_(-1)
         pages.logical.view(-1).index_put_((slot,), values)
         pages.lens[:self.batch, :self.qlen] = lens

@@ -78,7 +78,7 @@ class LLMEngine:
             pool.take_zeroed()    # from here on, the blocks zeroed here are zeroed there too
         self.peers = peers
         self.group_error: TPGroupError | None = None
-        self.graphs = graph_plan(config.graphs, config.device, tp, pool)   # (mode, scratch)
+        self.graph_setup = graph_plan(config.graphs, config.device, config.attention, tp, pool)
         self.target = self._runner(self.target_fw, pool.target, peers,
                                    pool.take_zeroed if peers is not None else None)
         self.draft = self._runner(self.draft_fw, pool.draft) if self.draft_fw else None
@@ -405,7 +405,7 @@ class LLMEngine:
 
     def _runner(self, forward, layout, peers=None, zeroed=None) -> ModelRunner:
         return ModelRunner(forward, self.pool.layers(layout), peers, self.config.attention, zeroed,
-                           self.plan_dir, self.config.max_num_seqs, self.graphs)
+                           self.plan_dir, self.config.max_num_seqs, self.graph_setup)
 
     def swap_draft(self, loaded) -> None:
         """Run the next steps with a new draft (from `load_draft`). Every running sequence drops

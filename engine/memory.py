@@ -4,10 +4,10 @@ On a GPU, vLLM's convention (`MemoryPlan`): the replica may use `gpu_memory_util
 device; the KV budget is that, less the weights, the peak activations of the largest forward a
 step can run (measured after loading by `measure_gpu`: a target forward at the step's token
 budget and a draft round at `max_num_seqs` sequences), memory outside torch's allocator (CUDA
-context, NCCL buffers) and the CUDA-graph pool (`graph_pool_bytes`). A budget that cannot hold one `max_model_len`
-sequence (target and draft KV) is an error at start that prints the numbers. Other ranks of a
-tensor-parallel group take rank 0's block count (rank 0 holds the draft too, so it is the one
-with least room).
+context, NCCL buffers) and the CUDA-graph pool (`graph_pool_bytes`). A budget that cannot hold
+one `max_model_len` sequence (target and draft KV) is an error at start that prints the
+numbers. Other ranks of a tensor-parallel group take rank 0's block count (rank 0 holds the
+draft too, so it is the one with least room).
 On a CPU there is no device to fill, so the budget is a quarter of the available RAM, capped at
 2 GiB. `kv_budget_bytes` overrides either.
 """
@@ -141,6 +141,7 @@ def measure_gpu(engine) -> MemoryPlan:
     target forward at `plan_tokens` tokens (one sequence's prefill over a scratch pool) and of
     a draft round over `max_num_seqs` sequences, measured by torch's allocator."""
     from engine.attention import SeqSlice
+    from engine.cuda_graphs import graph_mode
     from engine.kv_cache import BlockPool
     from engine.kv_rules import blocks_needed
     from engine.model_runner import ModelRunner
@@ -179,7 +180,7 @@ def measure_gpu(engine) -> MemoryPlan:
     models = [(engine.target_model, t)] + ([(engine.draft_model, d)] if d else [])
     shapes = [(f.hidden_size, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim,
                m.config.intermediate_size) for m, f in models]
-    graphs = c.graphs == "auto" and c.tp_size == 1 and c.attention in ("fused", "flex")
+    graphs = graph_mode(c.graphs, device, c.attention, c.tp_size) == "capture"
     pool_graphs = graph_pool_bytes(shapes, engine.target_fw.dtype.itemsize, c.max_num_seqs,
                                    graphs)
     return MemoryPlan(total, c.gpu_memory_utilization, weights, peak - weights, other,
@@ -223,7 +224,7 @@ def plan_from_specs(device_bytes: int, utilization: float, target, draft, tp: in
                                         max_num_seqs))
         weights += draft.rank_weight_bytes(1, dtype_bytes)
         per_token += draft.kv_bytes_per_token(dtype_bytes)
-    # CUDA graphs: on one rank (engine/cuda_graphs.py: graph_plan)
+    # CUDA graphs: on one rank (engine/cuda_graphs.py: graph_mode)
     return MemoryPlan(device_bytes, utilization, weights, act, CUDA_CONTEXT_BYTES,
                       graph_pool_bytes(shapes, dtype_bytes, max_num_seqs, tp == 1),
                       per_token, max_model_len)

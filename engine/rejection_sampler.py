@@ -20,6 +20,8 @@ has k_i + 1 rows for sequence i, starting at row `cu_draft[i] + i`.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from engine.host_sync import upload
@@ -45,10 +47,7 @@ def rejection_sample(
     # seq_of[t]: the sequence of draft token t; pos[t]: its place among that sequence's drafts
     seq_of = [i for i, n in enumerate(num_drafts) for _ in range(n)]
     pos = [j for n in num_drafts for j in range(n)]
-    cu, cu_draft = 0, []
-    for n in num_drafts:
-        cu_draft.append(cu)
-        cu += n
+    cu_draft = list(accumulate(num_drafts, initial=0))[:-1]           # first draft of each
     host = upload([num_drafts, cu_draft, [int(g) for g in greedy]], torch.long, device)
     k, cu_draft_t, greedy_t = host[0], host[1], host[2].bool()                  # [batch_size]
     cu_target = cu_draft_t + torch.arange(batch, device=device)                 # [batch_size]

@@ -77,8 +77,9 @@ def test_a_padded_forward_refuses_what_it_cannot_pad():
 
 def test_the_scratch_block_is_reserved_for_good():
     pool = BlockPool(0, (2, KV_HEADS, D), 4, torch.float32, "cpu", num_blocks=8)
-    assert graph_plan("off", "cpu", 1, pool) is None and graph_plan("auto", "cpu", 1, pool) is None
-    mode, scratch = graph_plan("static", "cpu", 1, pool)
+    for setting, attention in (("off", "flex"), ("auto", "flex"), ("static", "fused")):
+        assert graph_plan(setting, "cpu", attention, 1, pool) is None     # and nothing reserved
+    mode, scratch = graph_plan("static", "cpu", "flex", 1, pool)
     assert mode == "static" and scratch == 7 and pool.num_blocks == pool.num_free == 7
     held = pool.allocate(7, "target")
     assert scratch not in held

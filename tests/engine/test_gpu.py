@@ -18,6 +18,17 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+def _equals_reference(attn, layers, seqs, dtype):
+    """Layer 0 of `attn` on random queries equals the per-sequence reference on the CPU."""
+    total = sum(s.num_query for s in seqs)
+    q = torch.randn(total, 4, 64, dtype=dtype, device="cuda")
+    k = torch.randn(total, 2, 64, dtype=dtype, device="cuda")
+    out = attn(0, q, k, k.clone()).view(total, 4, 64)
+    ref = reference(layers[0][0].cpu(), layers[0][1].cpu(), seqs, q.cpu(), 64 ** -0.5)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_cuda_attention_equals_per_sequence(dtype, plan):
@@ -26,14 +37,7 @@ def test_cuda_attention_equals_per_sequence(dtype, plan):
     pool.pool.normal_()
     layers = pool.layers(pool.target)
     seqs = [SeqSlice(pool.allocate(-(-(c + q) // 16), "target"), c, q) for c, q in PLANS[plan]]
-    total = sum(s.num_query for s in seqs)
-    attn = PagedAttention(layers, seqs, 64 ** -0.5)
-    q = torch.randn(total, 4, 64, dtype=dtype, device="cuda")
-    k = torch.randn(total, 2, 64, dtype=dtype, device="cuda")
-    out = attn(0, q, k, k.clone()).view(total, 4, 64)
-    ref = reference(layers[0][0].cpu(), layers[0][1].cpu(), seqs, q.cpu(), 64 ** -0.5)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert torch.allclose(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+    _equals_reference(PagedAttention(layers, seqs, 64 ** -0.5), layers, seqs, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,15 +54,9 @@ def test_cuda_flex_attention_equals_per_sequence(dtype):
         for pos in range(s.num_cached):
             for cache in layers[0]:
                 cache[s.block_table[pos // 16], 0, pos % 16].normal_()
-    total = sum(s.num_query for s in seqs)
     attn = PagedAttention(layers, seqs, 64 ** -0.5, flex=FlexPages(layers, 32, compiled=True))
     assert sum(isinstance(g, FlexGroup) for g in attn.groups) == 1
-    q = torch.randn(total, 4, 64, dtype=dtype, device="cuda")
-    k = torch.randn(total, 2, 64, dtype=dtype, device="cuda")
-    out = attn(0, q, k, k.clone()).view(total, 4, 64)
-    ref = reference(layers[0][0].cpu(), layers[0][1].cpu(), seqs, q.cpu(), 64 ** -0.5)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert torch.allclose(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+    _equals_reference(attn, layers, seqs, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
