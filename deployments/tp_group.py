@@ -81,14 +81,22 @@ class RayPeers:
         self.all_reduce = import_object(join_path)(0, self.world_size, init_method, device)
         self._refs: list = []
 
-    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
-        """Every rank takes rank 0's pool layout (tokens per block, block count, dtype)."""
-        ray.get([a.call.remote("configure_pool", tokens_per_block, num_blocks, dtype)
+    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str,
+                       graphs: tuple[str, int] | None = None) -> None:
+        """Every rank takes rank 0's pool layout (tokens per block, block count, dtype) and its
+        target's CUDA graphs (`TPWorker.configure_pool`)."""
+        ray.get([a.call.remote("configure_pool", tokens_per_block, num_blocks, dtype, graphs)
                  for a in self.actors], timeout=self.timeout_s)
 
     def launch(self, message: tuple) -> None:
         """Start the forward `message` (`engine.model_runner.run_message`) on every rank."""
         self._refs = [a.call.remote("run", *message) for a in self.actors]
+
+    def share(self, input_ids) -> None:
+        """The forward's token ids, on rank 0's device, to every rank (after `launch`)."""
+        from engine.tp_worker import share_ids
+
+        share_ids(input_ids)
 
     def wait(self) -> None:
         refs, self._refs = self._refs, []

@@ -13,7 +13,8 @@ positions (`DecodeGraphs`' buffers), the KV write's slots and the block mask's b
 occurs (its kernels compile then), and captured the second time.
 
 `mode`: "capture" records graphs (CUDA); "static" runs the same padded forward over the same
-buffers without capturing, on any device (the CPU tests' path: what a replay computes).
+buffers without capturing, on any device (the CPU tests' path: what a replay computes, and
+where a failed capture leaves a runner).
 """
 
 from __future__ import annotations
@@ -54,13 +55,12 @@ class DecodeGraphs:
         self.seen: set[tuple[int, int]] = set()            # buckets run once (kernels built)
         self.graphs: dict[tuple[int, int], tuple] = {}     # bucket -> (graph, hidden output)
         self.pool = _shared_pool() if mode == "capture" else None
-        self.failed = False                                # a capture failed: eager from now on
         self.forwards = 0                                  # forwards run padded (or replayed)
 
     def bucket(self, seqs: list[SeqSlice]) -> tuple[int, int] | None:
         """(batch, query tokens) of a forward that can be padded, else None."""
         qmax = max(s.num_query for s in seqs)
-        if self.failed or any(s.prefill_align for s in seqs) or qmax > GRAPH_QUERY_BUCKETS[-1]:
+        if any(s.prefill_align for s in seqs) or qmax > GRAPH_QUERY_BUCKETS[-1]:
             return None
         batch = bucket(len(seqs), self.flex.max_batch)
         if batch > self.flex.max_batch:
@@ -106,28 +106,40 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.forward.forward(ids, pos, attn)
-        except Exception:           # capture refused (an op that syncs, say): stay eager
-            logger.exception("CUDA graph capture of bucket %s failed: forwards run eagerly", key)
-            self.failed = True
+        except Exception:           # capture refused (an op that syncs, say)
+            # Padded forwards from now on, uncaptured: under tensor parallelism the other
+            # ranks' all-reduces (replayed or not) carry the padded shapes, so this rank's must
+            logger.exception("CUDA graph capture of bucket %s failed: forwards run padded "
+                             "without graphs", key)
+            self.mode = "static"
             return None
         self.graphs[key] = graph, out
         graph.replay()
         return out
 
 
-def graph_mode(setting: str, device, attention: str, tp_size: int) -> str | None:
-    """How an engine's runners take graphs (`EngineConfig.graphs`): "capture" ("auto" on a
-    GPU's FlexAttention path at one rank), "static", or None (no graphs)."""
+def graph_mode(setting: str, device, attention: str, collectives: str | None = None) -> str | None:
+    """How one runner takes graphs (`EngineConfig.graphs`): "capture" ("auto" on a GPU's
+    FlexAttention path, where the runner's forward has no collectives or NCCL's, which a graph
+    records), "static", or None (no graphs). `collectives`: the backend of the runner's
+    tensor-parallel group (`torch.distributed.get_backend()`), None at one rank."""
     if setting == "off" or paged_backend(device, attention) != "flex":
         return None
     if setting == "static":
         return "static"
-    return "capture" if torch.device(device).type == "cuda" and tp_size == 1 else None
+    cuda = torch.device(device).type == "cuda"
+    return "capture" if cuda and collectives in (None, "nccl") else None
 
 
-def graph_plan(setting: str, device, attention: str, tp_size: int,
-               pool) -> tuple[str, int] | None:
-    """(mode, scratch block) for an engine's runners, the block reserved from `pool`; None: no
-    graphs (`graph_mode`)."""
-    mode = graph_mode(setting, device, attention, tp_size)
-    return None if mode is None else (mode, pool.reserve())
+def graph_plan(setting: str, device, attention: str, collectives: str | None,
+               pool) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+    """(target's, draft's) (mode, scratch block) for an engine's runners, None where a runner
+    takes no graphs (`graph_mode`). The draft runs on rank 0 alone, so its forward has no
+    collectives. One scratch block serves both (each block holds both models' KV), reserved
+    from `pool` only when some runner takes graphs; the target's plan is every rank's."""
+    modes = (graph_mode(setting, device, attention, collectives),
+             graph_mode(setting, device, attention))
+    if modes == (None, None):
+        return None, None
+    scratch = pool.reserve()
+    return tuple(None if m is None else (m, scratch) for m in modes)

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from engine.acceptance import (ENGINE_DECAY, ENGINE_PRIOR_TRIALS, SEQ_PRIOR_TRIALS,
                                AcceptanceEstimate, posterior)
@@ -30,6 +31,7 @@ from engine.memory import cpu_kv_budget_bytes, measure_gpu
 from engine.metrics import KVPeaks, Metrics, MetricsSnapshot, ServingTimes
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput
+from engine.profiler import load_or_profile
 from engine.sampling_params import FinishReason, RequestOptions, SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import Sequence
@@ -72,24 +74,25 @@ class LLMEngine:
                               resident=config.kv_resident,
                               token_major=token_major(config.device, config.attention))
         pool = self.pool
+        # CUDA graphs, (target's, draft's): every rank takes the target's (rank 0's plan)
+        self.graph_setup = graph_plan(config.graphs, config.device, config.attention,
+                                      dist.get_backend() if peers is not None else None, pool)
         if peers is not None:     # ranks 1..N-1 take this layout; they never re-derive it
-            peers.configure_pool(pool.target.tokens_per_block, pool.num_blocks,
-                                 str(self.target_fw.dtype).removeprefix("torch."))
+            peers.configure_pool(pool.target.tokens_per_block, pool.pool.shape[1],  # + scratch
+                                 str(self.target_fw.dtype).removeprefix("torch."),
+                                 self.graph_setup[0])
             pool.take_zeroed()    # from here on, the blocks zeroed here are zeroed there too
         self.peers = peers
         self.group_error: TPGroupError | None = None
-        self.graph_setup = graph_plan(config.graphs, config.device, config.attention, tp, pool)
-        self.target = self._runner(self.target_fw, pool.target, peers,
-                                   pool.take_zeroed if peers is not None else None)
+        self.target = self._runner(self.target_fw, pool.target, peers)
         self.draft = self._runner(self.draft_fw, pool.draft) if self.draft_fw else None
-        self.faults = Faults() if config.fault_injection else None    # test-only hook
-        self.delays = Delays() if config.fault_injection else None
+        self.faults, self.delays = (Faults(), Delays()) if config.fault_injection else (None, None)
         if self.faults is not None:
             self.target = FaultyRunner(self.target, self.faults, "target_raise", self.delays,
                                        "target")
             if self.draft is not None:
                 self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
-        self.cost = CalibratedCost(self._cost_model(), draft_excess=True)
+        self.cost = CalibratedCost(load_or_profile(self), draft_excess=True)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  prefill_mode=config.prefill_mode,
                                  prefill_align=config.prefill_align,
@@ -100,8 +103,7 @@ class LLMEngine:
         # Engine-wide per-token acceptance a (engine/acceptance.py: decayed pooled counts).
         self.acceptance = AcceptanceEstimate(config.prior_acceptance, ENGINE_PRIOR_TRIALS, ENGINE_DECAY)
         self.drafting = StepDrafting()   # the goodput check, then the k rule and its probe
-        self._step_tokens = 0
-        self._step_drafted = False
+        self._step_tokens, self._step_drafted = 0, False
         # Where serving time goes: steps against their profile's prices, the loop's time
         # between steps, requests' time in the engine (`EngineStats.serving`).
         self.serving = ServingTimes()
@@ -121,11 +123,6 @@ class LLMEngine:
         logger.info("GPU memory plan:\n%s", plan.describe())
         plan.check()
         return plan.kv_budget_bytes
-
-    def _cost_model(self):
-        from engine.profiler import load_or_profile
-
-        return load_or_profile(self)
 
     # ---- adaptive k -------------------------------------------------------------------------
     def _acceptance(self, seq: Sequence) -> float:
@@ -403,9 +400,11 @@ class LLMEngine:
                              f"KV heads of {s.head_dim}) than the running draft: restart the replica")
         return new, forward
 
-    def _runner(self, forward, layout, peers=None, zeroed=None) -> ModelRunner:
+    def _runner(self, forward, layout, peers=None) -> ModelRunner:
+        zeroed = self.pool.take_zeroed if peers is not None else None
         return ModelRunner(forward, self.pool.layers(layout), peers, self.config.attention, zeroed,
-                           self.plan_dir, self.config.max_num_seqs, self.graph_setup)
+                           self.plan_dir, self.config.max_num_seqs,
+                           self.graph_setup[layout is self.pool.draft])
 
     def swap_draft(self, loaded) -> None:
         """Run the next steps with a new draft (from `load_draft`). Every running sequence drops

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 CPU_CAP = 2 << 30
 PLAN_K = 8                    # draft tokens a sequence may propose in one step, for planning
@@ -90,13 +91,13 @@ def activation_bytes(hidden: int, q_width: int, kv_width: int, mlp_width: int, v
 
 
 def graph_pool_bytes(shapes: list[tuple[int, int, int, int]], dtype_bytes: int,
-                     max_num_seqs: int, graphs: bool) -> int:
+                     max_num_seqs: int) -> int:
     """The CUDA graphs' memory pool (engine/cuda_graphs.py), shared by the target's and the
     draft's graphs: the activations of the largest captured forward (max_num_seqs sequences of
     8 query tokens, hidden states only: logits run outside the graphs) and the hidden states
     each captured bucket keeps as its output. shapes: (hidden, q width, kv width, MLP width)
-    of the target (this rank's) and the draft. 0 without graphs."""
-    if not graphs:
+    of each runner that captures graphs (the target's: this rank's widths); none: 0."""
+    if not shapes:
         return 0
     from engine.cuda_graphs import GRAPH_QUERY_BUCKETS
     from engine.flex_attention import bucket
@@ -180,9 +181,11 @@ def measure_gpu(engine) -> MemoryPlan:
     models = [(engine.target_model, t)] + ([(engine.draft_model, d)] if d else [])
     shapes = [(f.hidden_size, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim,
                m.config.intermediate_size) for m, f in models]
-    graphs = graph_mode(c.graphs, device, c.attention, c.tp_size) == "capture"
-    pool_graphs = graph_pool_bytes(shapes, engine.target_fw.dtype.itemsize, c.max_num_seqs,
-                                   graphs)
+    collectives = dist.get_backend() if c.tp_size > 1 and dist.is_initialized() else None
+    captured = (graph_mode(c.graphs, device, c.attention, collectives),
+                graph_mode(c.graphs, device, c.attention))         # target's, draft's
+    pool_graphs = graph_pool_bytes([s for s, m in zip(shapes, captured) if m == "capture"],
+                                   engine.target_fw.dtype.itemsize, c.max_num_seqs)
     return MemoryPlan(total, c.gpu_memory_utilization, weights, peak - weights, other,
                       pool_graphs, per_token, engine.max_model_len)
 
@@ -224,7 +227,7 @@ def plan_from_specs(device_bytes: int, utilization: float, target, draft, tp: in
                                         max_num_seqs))
         weights += draft.rank_weight_bytes(1, dtype_bytes)
         per_token += draft.kv_bytes_per_token(dtype_bytes)
-    # CUDA graphs: on one rank (engine/cuda_graphs.py: graph_mode)
+    # CUDA graphs for the target (over NCCL at tp > 1) and the draft (engine/cuda_graphs.py)
     return MemoryPlan(device_bytes, utilization, weights, act, CUDA_CONTEXT_BYTES,
-                      graph_pool_bytes(shapes, dtype_bytes, max_num_seqs, tp == 1),
+                      graph_pool_bytes(shapes, dtype_bytes, max_num_seqs),
                       per_token, max_model_len)

@@ -23,11 +23,13 @@ from engine.host_sync import upload
 logger = logging.getLogger(__name__)
 
 
-def run_message(input_ids: list[int], positions: list[int], seqs: list[SeqSlice],
-                zero_blocks: list[int]) -> tuple:
+def run_message(input_ids: list[int] | torch.Tensor, positions: list[int],
+                seqs: list[SeqSlice], zero_blocks: list[int]) -> tuple:
     """What rank 0 sends every other rank for one forward (`TPWorker.run` takes it as is):
-    the tokens, each sequence's slice, and the blocks rank 0 zeroed since the last forward."""
-    return (input_ids, positions,
+    the tokens (a host list; for tokens on rank 0's device, such as a draft's, their count:
+    the tokens follow through the group, `Peers.share`), each sequence's slice, and the blocks
+    rank 0 zeroed since the last forward."""
+    return (input_ids if isinstance(input_ids, list) else len(input_ids), positions,
             [(s.block_table, s.num_cached, s.num_query, s.prefill_align) for s in seqs],
             zero_blocks)
 
@@ -36,12 +38,18 @@ class Peers(Protocol):
     """The other ranks of a tensor-parallel group (`LocalPeers` in engine/tp_worker.py, `RayPeers`
     in deployments/tp_group.py)."""
 
-    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
-        """Give every rank rank 0's KV pool layout (called once, before the first forward);
-        a rank whose weights are in another dtype than rank 0's (`dtype`) refuses."""
+    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str,
+                       graphs: tuple[str, int] | None = None) -> None:
+        """Give every rank rank 0's KV pool layout and its target's CUDA graphs (mode, scratch
+        block) (called once, before the first forward); a rank whose weights are in another
+        dtype than rank 0's (`dtype`) refuses."""
 
     def launch(self, message: tuple) -> None:
         """Start the forward `message` (`run_message`) on every other rank."""
+
+    def share(self, input_ids: torch.Tensor) -> None:
+        """Send the forward's token ids, on rank 0's device, to every other rank through the
+        group (a broadcast), after `launch`: the host never reads them (docs/decisions/0038)."""
 
     def wait(self) -> None:
         """Wait for the forward on every other rank; raise the first rank's error."""
@@ -75,9 +83,10 @@ class ModelRunner:
         if self.backend == "fused":
             self._build_fused()
         self.flex = self._flex_pages(max_batch) if self.backend == "flex" else None
-        # (mode, scratch block): decode and verify forwards from CUDA graphs, one rank only
+        # (mode, scratch block): decode and verify forwards from CUDA graphs (every rank of a
+        # tensor-parallel group takes rank 0's, engine/cuda_graphs.py: graph_plan)
         self.graphs = (DecodeGraphs(forward, layers, self.flex, self.scale, graphs[1], graphs[0])
-                       if graphs and self.flex is not None and peers is None else None)
+                       if graphs and self.flex is not None else None)
         forward.build_kernels(plan_dir)
 
     def _flex_pages(self, max_batch: int) -> FlexPages | None:
@@ -113,9 +122,7 @@ class ModelRunner:
         runner's device such as the draft's last tokens) -> logits [len(logit_rows), vocab]."""
         if self.peers is None:
             hidden = self.hidden(seqs, input_ids, positions)
-        else:   # the other ranks take host lists: one read of the ids (docs/decisions/0038)
-            if isinstance(input_ids, torch.Tensor):
-                input_ids = input_ids.tolist()
+        else:
             hidden = self._group_forward(seqs, input_ids, positions)
         return self.forward.logits(hidden[upload(logit_rows, torch.long, self.device)])
 
@@ -126,6 +133,9 @@ class ModelRunner:
         zero = self.zeroed() if self.zeroed is not None else []
         try:
             self.peers.launch(run_message(input_ids, positions, seqs, zero))
+            if isinstance(input_ids, torch.Tensor):      # on the device: sent, not read
+                input_ids = upload(input_ids, torch.long, self.device).contiguous()
+                self.peers.share(input_ids)
             hidden = self.hidden(seqs, input_ids, positions)
         except Exception as exc:
             self.peers.abort()                  # ranks blocked in an all-reduce fail now

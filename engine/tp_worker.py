@@ -46,6 +46,18 @@ def init_tp(rank: int, world: int, init_method: str, device: str = "cpu",
     return all_reduce
 
 
+def share_ids(input_ids: torch.Tensor) -> None:
+    """Rank 0's side of `receive_ids`: a forward's token ids, from its device to every rank."""
+    dist.broadcast(input_ids, src=0)
+
+
+def receive_ids(count: int, device) -> torch.Tensor:
+    """The `count` token ids rank 0 sends with `share_ids`, on this rank's device."""
+    input_ids = torch.empty(count, dtype=torch.long, device=device)
+    dist.broadcast(input_ids, src=0)
+    return input_ids
+
+
 def resident_bytes(reset_peak: bool = False) -> int:
     """This process's resident memory (VmRSS); `reset_peak` first resets its high-water mark
     (VmHWM), where Linux allows it."""
@@ -128,11 +140,14 @@ class TPWorker:
         if self.faults is not None:
             self._wrap_forward_for_faults()
 
-    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
-        """Take rank 0's layout: its tokens per block (set by target + draft) and block count.
-        Ranks in different dtypes would all-reduce tensors of different sizes (gloo aborts the
-        process): refused here with both dtypes named. The pool starts zeroed, as rank 0's
-        blocks are when handed out."""
+    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str,
+                       graphs: tuple[str, int] | None = None) -> None:
+        """Take rank 0's layout: its tokens per block (set by target + draft) and block count,
+        and its target's CUDA graphs (mode, scratch block; engine/cuda_graphs.py: every rank pads
+        a forward to the same bucket and captures it at the same forward, so the graphs'
+        collectives pair up). Ranks in different dtypes would all-reduce tensors of different
+        sizes (gloo aborts the process): refused here with both dtypes named. The pool starts
+        zeroed, as rank 0's blocks are when handed out."""
         mine = str(self.forward.dtype).removeprefix("torch.")
         if mine != dtype:
             raise ValueError(f"tensor-parallel rank runs {mine} but rank 0 runs {dtype}: give "
@@ -149,12 +164,13 @@ class TPWorker:
         assert self.pool.target.tokens_per_block == tokens_per_block
         self.runner = ModelRunner(self.forward, self.pool.layers(self.pool.target),
                                   attention=self.attention, plan_dir=self.plan_dir,
-                                  max_batch=self.max_num_seqs)
+                                  max_batch=self.max_num_seqs, graphs=graphs)
         self.load_memory["peak_with_kernels"] = peak_resident_bytes()
 
-    def run(self, input_ids: list[int], positions: list[int], seqs: list[tuple],
+    def run(self, input_ids: list[int] | int, positions: list[int], seqs: list[tuple],
             zero_blocks: list[int]) -> None:
-        """One forward (`engine.model_runner.run_message`). A failure marks the rank failed;
+        """One forward (`engine.model_runner.run_message`; a count of ids: they come through
+        the group, `receive_ids`). A failure marks the rank failed;
         its host then ends the process (`_serve`, deployments/tp_group.py), which closes its
         side of the group, so rank 0 and the other ranks stop waiting in their collectives
         (destroying the process group alone leaves its connections open while anything
@@ -166,6 +182,8 @@ class TPWorker:
                                f"must be rebuilt")
         try:
             self.pool.zero_blocks(zero_blocks)
+            if isinstance(input_ids, int):
+                input_ids = receive_ids(input_ids, self.device)
             self.runner.hidden([SeqSlice(*s) for s in seqs], input_ids, positions)
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
@@ -207,9 +225,12 @@ class TPWorker:
         return dict(self.load_memory)
 
     def attention_path(self) -> dict:
-        """The attention path this rank's runner took and its pool's layout (`paged_backend`,
-        `token_major` in engine/attention.py): the same as rank 0's."""
-        return {"backend": self.runner.backend, "token_major": self.pool.token_major}
+        """The attention path this rank's runner took, its pool's layout (`paged_backend`,
+        `token_major` in engine/attention.py) and its CUDA graphs' mode: the same as rank 0's;
+        and how many forwards ran padded for the graphs (engine/cuda_graphs.py)."""
+        graphs = self.runner.graphs
+        return {"backend": self.runner.backend, "token_major": self.pool.token_major,
+                "graphs": graphs and graphs.mode, "padded": graphs and graphs.forwards}
 
 
 def _serve(conn, kwargs) -> None:
@@ -270,12 +291,16 @@ class LocalPeers:
         for c in conns or self.conns:
             c.send((method, args))
 
-    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str) -> None:
-        self._call("configure_pool", (tokens_per_block, num_blocks, dtype))
+    def configure_pool(self, tokens_per_block: int, num_blocks: int, dtype: str,
+                       graphs: tuple[str, int] | None = None) -> None:
+        self._call("configure_pool", (tokens_per_block, num_blocks, dtype, graphs))
         self.wait()
 
     def launch(self, message: tuple) -> None:
         self._call("run", message)
+
+    def share(self, input_ids: torch.Tensor) -> None:
+        share_ids(input_ids)
 
     def wait(self) -> None:
         """Every rank's answer to the last call; the first error is raised once all answered

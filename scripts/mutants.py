@@ -127,6 +127,23 @@ MUTANTS = [
            "        self._free[block] = 0\n        self.num_empty -= 1\n", "",
            (T + "test_cuda_graphs.py::test_the_scratch_block_is_reserved_for_good",),
            "the graphs' scratch block can be handed to a sequence"),
+    Mutant("rank-without-graphs", "engine/tp_worker.py",
+           "max_batch=self.max_num_seqs, graphs=graphs)", "max_batch=self.max_num_seqs)",
+           (T + "test_tensor_parallel.py::test_tp2_matches_tp1_and_transformers"
+            "[odd_shape-flex-static]",),
+           "a tensor-parallel rank runs rank 0's padded forwards unpadded"),
+    Mutant("rank-pool-without-scratch", "engine/llm_engine.py",
+           "pool.pool.shape[1],  # + scratch", "pool.num_blocks,",
+           (T + "test_tensor_parallel.py::test_tp2_matches_tp1_and_transformers"
+            "[odd_shape-flex-static]",),
+           "the other ranks' pools lack the scratch block rank 0 reserved"),
+    Mutant("rank-ids-read-on-the-host", "engine/model_runner.py",
+           "            if isinstance(input_ids, torch.Tensor):      # on the device: sent",
+           "            if isinstance(input_ids, torch.Tensor):\n"
+           "                input_ids = input_ids.tolist()\n"
+           "            if isinstance(input_ids, torch.Tensor):      # on the device: sent",
+           (T + "test_host_syncs.py::test_a_tensor_parallel_step_reads_the_device_once",),
+           "rank 0 reads the drafts back to put them in the rank message"),
     # ---- KV accounting: rollback, frees, the budget -----------------------------------------
     Mutant("rollback-keeps-rejected-kv", "engine/llm_engine.py",
            "seq.num_computed = old_len + r.accepted", "seq.num_computed = old_len + it.k",

@@ -10,7 +10,7 @@ import torch
 
 from conftest import run_all
 from engine.attention import PagedAttention, SeqSlice
-from engine.cuda_graphs import DecodeGraphs, graph_plan
+from engine.cuda_graphs import DecodeGraphs, graph_mode, graph_plan
 from engine.flex_attention import FlexPages
 from engine.kv_cache import BlockPool
 from engine.sampling_params import RequestOptions, SamplingParams
@@ -25,6 +25,7 @@ PLANS = [[(9, 1), (1, 1), (30, 1), (17, 1), (0, 1)],        # decode
 def _pool():
     pool = BlockPool(0, (2, KV_HEADS, D), 4, torch.float32, "cpu", num_blocks=64,
                      token_major=True)
+    pool.pool.normal_()      # finite everywhere: uninitialised NaN would compare unequal
     scratch = pool.reserve()
     return pool, scratch
 
@@ -78,8 +79,9 @@ def test_a_padded_forward_refuses_what_it_cannot_pad():
 def test_the_scratch_block_is_reserved_for_good():
     pool = BlockPool(0, (2, KV_HEADS, D), 4, torch.float32, "cpu", num_blocks=8)
     for setting, attention in (("off", "flex"), ("auto", "flex"), ("static", "fused")):
-        assert graph_plan(setting, "cpu", attention, 1, pool) is None     # and nothing reserved
-    mode, scratch = graph_plan("static", "cpu", "flex", 1, pool)
+        assert graph_plan(setting, "cpu", attention, None, pool) == (None, None)   # none reserved
+    (mode, scratch), draft = graph_plan("static", "cpu", "flex", "gloo", pool)
+    assert draft == (mode, scratch)             # the target's and the draft's: one scratch block
     assert mode == "static" and scratch == 7 and pool.num_blocks == pool.num_free == 7
     held = pool.allocate(7, "target")
     assert scratch not in held
@@ -87,6 +89,20 @@ def test_the_scratch_block_is_reserved_for_good():
     assert scratch not in pool.allocate(7, "target")
     with pytest.raises(ValueError, match="before any allocation"):
         pool.reserve()
+
+
+def test_graphs_are_captured_where_a_graph_can_record_the_collectives():
+    """auto: a GPU's FlexAttention path, at one rank or over NCCL. gloo's collectives cannot be
+    captured, so a target under gloo (several ranks on one GPU) runs eagerly, while its draft,
+    on rank 0 alone, still captures."""
+    assert graph_mode("auto", "cuda", "flex") == "capture"
+    assert graph_mode("auto", "cuda", "flex", "nccl") == "capture"
+    assert graph_mode("auto", "cuda", "flex", "gloo") is None
+    assert graph_mode("auto", "cpu", "flex") is None
+    assert graph_mode("static", "cpu", "flex", "gloo") == "static"
+    assert graph_mode("off", "cuda", "flex") is None
+    pool = BlockPool(0, (2, KV_HEADS, D), 4, torch.float32, "cpu", num_blocks=8)
+    assert graph_plan("auto", "cuda", "flex", "gloo", pool) == (None, ("capture", 7))
 
 
 def test_greedy_speculative_through_padded_forwards_equals_plain_decoding(make_engine):

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from conftest import run_all
+from engine.config import EngineConfig
 from engine.host_sync import StepClock, upload
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import RequestOptions, SamplingParams
+from engine.tp_worker import LocalPeers
 from host_syncs import HostSyncs
 
 STEPS = 6
@@ -50,6 +53,21 @@ def test_a_decode_step_reads_the_device_once(make_engine, attention, speculative
     counter = _decode_steps(engine, speculative)
     assert sum(counter.reads.values()) == STEPS, counter.reads
     assert sum(counter.uploads.values()) == 0, counter.uploads    # nothing goes up blocking
+
+
+def test_a_tensor_parallel_step_reads_the_device_once(tiny_family):
+    """TP = 2: the verify forward's ids (the drafts, on rank 0's device) go to rank 1 through
+    the group, not through a read for the rank message. Red when rank 0 reads them."""
+    config = EngineConfig(str(tiny_family["target"]), str(tiny_family["draft"]), tp_size=2,
+                          kv_budget_bytes=8 << 20, profile=False, num_threads=1,
+                          adaptive_k=False, attention="flex", graphs="static")
+    peers = LocalPeers(config)
+    try:
+        counter = _decode_steps(LLMEngine(config, peers=peers), speculative=True)
+    finally:
+        peers.close()
+    assert sum(counter.reads.values()) == STEPS, counter.reads
+    assert sum(counter.uploads.values()) == 0, counter.uploads
 
 
 def test_the_counter_sees_reads_and_blocking_copies():

@@ -79,21 +79,23 @@ def test_the_cuda_graph_pool_holds_the_largest_capture_and_every_bucket_output()
     kept = sum(b * q + 1 for b in (1, 2, 4, 8, 16, 32, 64, 128) for q in (1, 8))
     assert kept == 2311
     largest = activation_bytes(*target, 0, 2, tokens=128 * 8 + 1, logit_rows=0)
-    assert graph_pool_bytes([target, draft], 2, 128, True) == largest + (4096 + 2048) * kept * 2
+    assert graph_pool_bytes([target, draft], 2, 128) == largest + (4096 + 2048) * kept * 2
     # max_num_seqs 100: the largest bucket is 100 sequences (engine/flex_attention.py: bucket)
     kept_100 = sum(b * q + 1 for b in (1, 2, 4, 8, 16, 32, 64, 100) for q in (1, 8))
-    assert graph_pool_bytes([target], 2, 100, True) == (
+    assert graph_pool_bytes([target], 2, 100) == (
         activation_bytes(*target, 0, 2, tokens=100 * 8 + 1, logit_rows=0) + 4096 * kept_100 * 2)
-    assert graph_pool_bytes([target, draft], 2, 128, False) == 0
-    # the planner: graphs at one rank only (engine/cuda_graphs.py: graph_plan)
+    assert graph_pool_bytes([], 2, 128) == 0
+    # the planner: the target's graphs at one rank and over NCCL, the draft's on rank 0
+    # (engine/cuda_graphs.py: graph_mode); the target's widths are a rank's
     one = plan_from_specs(A100.memory_bytes, 0.90, MODELS["Llama-3-8B"], None, tp=1,
                           dtype_bytes=2, max_num_batched_tokens=512, max_num_seqs=128,
                           max_model_len=8192)
     four = plan_from_specs(A100.memory_bytes, 0.90, MODELS["Llama-2-70B"], MODELS["Llama-2-7B"],
                            tp=4, dtype_bytes=2, max_num_batched_tokens=512, max_num_seqs=64,
                            max_model_len=4096)
-    assert one.graph_pool_bytes == graph_pool_bytes([(4096, 4096, 1024, 14336)], 2, 128, True)
-    assert four.graph_pool_bytes == 0
+    assert one.graph_pool_bytes == graph_pool_bytes([(4096, 4096, 1024, 14336)], 2, 128)
+    rank = (8192, 8192 // 4, 1024 // 4, 28672 // 4)
+    assert four.graph_pool_bytes == graph_pool_bytes([rank, (4096, 4096, 4096, 11008)], 2, 64)
 
 
 def _plan_cli(config, capsys):

@@ -40,22 +40,33 @@ def _run(engine, prompts=PROMPTS, max_tokens=12):
     return [outs[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("draft,attention", [("same_shape", "fused"), ("odd_shape", "fused"),
-                                             ("odd_shape", "flex")])
-def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, draft, attention):
-    """flex: every rank's pool is token-major and read in place (engine/flex_attention.py)."""
+@pytest.mark.parametrize("draft,attention,graphs", [
+    ("same_shape", "fused", "auto"), ("odd_shape", "fused", "auto"),
+    ("odd_shape", "flex", "auto"), ("odd_shape", "flex", "static")])
+def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, draft, attention,
+                                          graphs):
+    """flex: every rank's pool is token-major and read in place (engine/flex_attention.py).
+    static: every rank pads each decode and verify forward to rank 0's graph bucket
+    (engine/cuda_graphs.py), its padding KV in rank 0's scratch block; red when a rank pads
+    otherwise (its all-reduces would not match rank 0's) or writes padding into a real block."""
     draft_path = str(tiny_family["draft"] if draft == "same_shape" else odd_draft)
-    config = _config(tiny_family, draft_path, attention=attention)
+    config = _config(tiny_family, draft_path, attention=attention, graphs=graphs)
     peers = LocalPeers(config)
     try:
         engine = LLMEngine(config, peers=peers)
         assert engine.target.backend == attention and engine.pool.token_major == (attention == "flex")
-        assert peers.call_rank(1, "attention_path") == {"backend": attention,
-                                                   "token_major": attention == "flex"}
+        mode = "static" if graphs == "static" else None
+        assert peers.call_rank(1, "attention_path") == {
+            "backend": attention, "token_major": attention == "flex", "graphs": mode,
+            "padded": 0 if mode else None}
         tpb = engine.pool.target.tokens_per_block
         assert (tpb == 16) == (draft == "same_shape"), tpb     # the odd draft changes the layout
         assert _run(engine) == [hf_greedy(hf_target, p, 12) for p in PROMPTS]
         assert engine.snapshot().num_draft_tokens > 0
+        if mode:     # rank 1 ran rank 0's padded forwards, the draft's rounds padded too
+            padded = peers.call_rank(1, "attention_path")["padded"]
+            assert padded == engine.target.graphs.forwards > 10, padded
+            assert engine.draft.graphs.forwards > 10
     finally:
         peers.close()
 
