@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.cpu_attention import paged_attention, write_kv
 from engine.host_sync import upload
@@ -122,9 +123,8 @@ class _Group(_Gathers):
             s = ss[0]
             self.rows = slice(starts[members[0]], starts[members[0]] + s.num_query)
             self.mask = None
-            if not self.fresh and s.num_query > 1:
-                q_pos = torch.arange(s.num_cached, self.lk, device=device)[:, None]
-                self.mask = torch.arange(self.lk, device=device)[None, :] <= q_pos
+            if not self.fresh and s.num_query > 1:       # as `_Prefill`'s later pieces
+                self.mask = causal_lower_right(s.num_query, self.lk)
             if self.fresh:
                 return
         # Each sequence's blocks, padded with its first: padded keys are masked, and a masked
@@ -189,8 +189,8 @@ class _Group(_Gathers):
 class _Prefill(_Gathers):
     """One sequence's prompt chunk, attended piece by piece: the pieces are cut at multiples of
     `prefill_align` from position 0, whatever the chunk, and each is one SDPA call over the
-    keys up to its own end (the first, at position 0, causal over its own keys; later ones with
-    a mask). The scheduler cuts prompts only at those multiples (`engine/scheduler.py`), so a
+    keys up to its own end (the first, at position 0, causal over its own keys; later ones
+    causal from the bottom right). The scheduler cuts prompts only at those multiples (`engine/scheduler.py`), so a
     piece is the same call on the same inputs however the prompt was chunked and whatever ran
     beside it: a prompt's KV is the same bits under any load (tests/engine/
     test_prefill_cuts.py). SDPA's rows move with its number of queries and keys, so a chunk
@@ -205,10 +205,11 @@ class _Prefill(_Gathers):
         pos = first
         while pos < end:
             stop = min((pos // align + 1) * align, end)
-            mask = None
-            if pos > 0:
-                mask = (torch.arange(stop, device=device)[None, :]
-                        <= torch.arange(pos, stop, device=device)[:, None])
+            # query pos + i sees keys 0..pos + i: causal aligned to the bottom right, which
+            # CUDA's flash kernel takes with grouped-query heads (a boolean mask would send
+            # it to the math backend, scores for every query x key materialised); on CPU it
+            # is that boolean mask, the same call bit for bit
+            mask = causal_lower_right(stop - pos, stop) if pos > 0 else None
             self.pieces.append((slice(start + pos - first, start + stop - first), stop, mask))
             pos = stop
         if not self.fresh:

@@ -339,3 +339,30 @@ def test_prompt_pieces_do_not_depend_on_the_chunks(dtype, heads, kv_heads, d, n,
             moved += not torch.equal(run([0] + cuts + [n], 1 << 30), sdpa_whole)
     if n >= 700:
         assert moved > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_pieces_equal_per_sequence(dtype):
+    """Prompt chunks attended in pieces of `prefill_align`: one from position 0 (its first piece
+    causal over its own keys) and two past it, one starting mid-piece (later pieces causal from
+    the bottom right: query i of a piece at `pos` sees keys 0..pos + i), beside a decode row.
+    Red when a piece's queries see keys from the top left (0..i) or past their own position."""
+    torch.manual_seed(0)
+    pool = _pool(dtype)
+    layers = pool.layers(pool.target)
+    pool.pool.fill_(float("nan"))
+    tpb = pool.target.tokens_per_block
+    plan = [(0, 10, 4), (6, 13, 4), (8, 9, 2), (5, 1, 0)]       # (cached, query, prefill_align)
+    seqs = [SeqSlice(pool.allocate(-(-(c + q) // tpb), "target"), c, q, a) for c, q, a in plan]
+    kc, vc = layers[0]
+    for s in seqs:
+        for pos in range(s.num_cached):
+            b, o = s.block_table[pos // tpb], pos % tpb
+            _row(kc, b, o).normal_(), _row(vc, b, o).normal_()
+    total = sum(q for _, q, _ in plan)
+    q = torch.randn(total, HEADS, D, dtype=dtype)
+    k, v = (torch.randn(total, KV_HEADS, D, dtype=dtype) for _ in range(2))
+    out = PagedAttention(layers, seqs, D ** -0.5, {}, fused=False)(0, q, k, v)
+    ref = reference(kc, vc, seqs, q, D ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.view(total, HEADS, D).float(), ref.float(), atol=tol, rtol=tol)

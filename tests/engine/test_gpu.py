@@ -40,6 +40,23 @@ def test_cuda_attention_equals_per_sequence(dtype, plan):
     _equals_reference(PagedAttention(layers, seqs, 64 ** -0.5), layers, seqs, dtype)
 
 
+def test_cuda_prompt_pieces_past_position_0_run_flash_attention():
+    """A prompt chunk past position 0 attends in pieces causal from the bottom right: with
+    grouped-query heads in bfloat16, CUDA's flash kernel takes them (SDPA's other backends are
+    refused here, so a piece sent to the math backend raises), and the rows equal the
+    reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    pool = BlockPool(4 << 20, (2, 2, 64), 16, torch.bfloat16, "cuda")
+    pool.pool.normal_()
+    layers = pool.layers(pool.target)
+    seqs = [SeqSlice(pool.allocate(4, "target"), 0, 40, prefill_align=16),
+            SeqSlice(pool.allocate(4, "target"), 20, 37, prefill_align=16)]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        _equals_reference(PagedAttention(layers, seqs, 64 ** -0.5), layers, seqs, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_flex_attention_equals_per_sequence(dtype):
     """Compiled FlexAttention (the default on CUDA) over a token-major pool whose blocks nobody
