@@ -138,14 +138,9 @@ def cpu_kv_budget_bytes(config) -> int:
 
 @torch.inference_mode()
 def measure_gpu(engine) -> MemoryPlan:
-    """Rank 0's plan on its GPU, once its target shard and draft are loaded: the peak of a
-    target forward at `plan_tokens` tokens (one sequence's prefill over a scratch pool) and of
-    a draft round over `max_num_seqs` sequences, measured by torch's allocator."""
-    from engine.attention import SeqSlice
+    """Rank 0's plan on its GPU, once its target shard and draft are loaded: the peak of
+    `profile_forwards`, measured by torch's allocator."""
     from engine.cuda_graphs import graph_mode
-    from engine.kv_cache import BlockPool
-    from engine.kv_rules import blocks_needed
-    from engine.model_runner import ModelRunner
 
     c = engine.config
     device = torch.device(c.device)
@@ -153,31 +148,14 @@ def measure_gpu(engine) -> MemoryPlan:
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    t, d = engine.target_fw.shape, engine.draft_fw.shape if engine.draft_fw else None
-    tokens = plan_tokens(c.max_num_batched_tokens, c.max_num_seqs)
-    need = blocks_needed(tokens, c.block_size) + c.max_num_seqs * blocks_needed(2, c.block_size)
-    pool = BlockPool(0, (t.num_layers, t.num_kv_heads, t.head_dim), c.block_size,
-                     engine.target_fw.dtype, device,
-                     (d.num_layers, d.num_kv_heads, d.head_dim) if d else None,
-                     num_blocks=need)
-    target = ModelRunner(engine.target_fw, pool.layers(pool.target), attention="sdpa")
-    table = pool.allocate(blocks_needed(tokens, pool.target.tokens_per_block), "target")
-    target.hidden([SeqSlice(table, 0, tokens)], [1] * tokens, list(range(tokens)))
-    if engine.draft_fw is not None:
-        draft = ModelRunner(engine.draft_fw, pool.layers(pool.draft), attention="sdpa")
-        seqs = [SeqSlice(pool.allocate(1, "draft"), 0, 1) for _ in range(c.max_num_seqs)]
-        draft.run(seqs, [1] * len(seqs), [0] * len(seqs), list(range(len(seqs))))
-        del draft
-    # the verify's logits: every sequence's k + 1 rows, in float32, and sampling's copies
-    rows = c.max_num_seqs * (PLAN_K + 1)
-    logits = torch.empty(3, rows, t.vocab_size, dtype=torch.float32, device=device)
+    scratch = profile_forwards(engine)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - pool.budget_bytes   # not the scratch pool
-    del pool, target, logits
+    peak = torch.cuda.max_memory_allocated(device) - scratch      # not the scratch pool
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     other = max(0, total - free - torch.cuda.memory_reserved(device))
     per_token = pool_bytes_per_token(engine)
+    t, d = engine.target_fw.shape, engine.draft_fw.shape if engine.draft_fw else None
     models = [(engine.target_model, t)] + ([(engine.draft_model, d)] if d else [])
     shapes = [(f.hidden_size, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim,
                m.config.intermediate_size) for m, f in models]
@@ -188,6 +166,46 @@ def measure_gpu(engine) -> MemoryPlan:
                                    engine.target_fw.dtype.itemsize, c.max_num_seqs)
     return MemoryPlan(total, c.gpu_memory_utilization, weights, peak - weights, other,
                       pool_graphs, per_token, engine.max_model_len)
+
+
+@torch.inference_mode()
+def profile_forwards(engine) -> int:
+    """The largest forwards a step can run, over a scratch pool: a target forward at
+    `plan_tokens` tokens (one sequence's prefill), a draft round over `max_num_seqs` sequences,
+    and the verify's float32 logits. Returns the scratch pool's bytes (not activations).
+    Under tensor parallelism rank 0 runs its shard alone, its all-reduces skipped: they add no
+    activation, and the other ranks cannot join a forward before they take rank 0's plan."""
+    from engine.attention import SeqSlice
+    from engine.kv_cache import BlockPool
+    from engine.kv_rules import blocks_needed
+    from engine.model_runner import ModelRunner
+
+    c = engine.config
+    device = torch.device(c.device)
+    t, d = engine.target_fw.shape, engine.draft_fw.shape if engine.draft_fw else None
+    tokens = plan_tokens(c.max_num_batched_tokens, c.max_num_seqs)
+    need = blocks_needed(tokens, c.block_size) + c.max_num_seqs * blocks_needed(2, c.block_size)
+    pool = BlockPool(0, (t.num_layers, t.num_kv_heads, t.head_dim), c.block_size,
+                     engine.target_fw.dtype, device,
+                     (d.num_layers, d.num_kv_heads, d.head_dim) if d else None,
+                     num_blocks=need)
+    target = ModelRunner(engine.target_fw, pool.layers(pool.target), attention="sdpa")
+    table = pool.allocate(blocks_needed(tokens, pool.target.tokens_per_block), "target")
+    all_reduce, engine.target_fw.all_reduce = engine.target_fw.all_reduce, lambda x: x
+    try:
+        target.hidden([SeqSlice(table, 0, tokens)], [1] * tokens, list(range(tokens)))
+    finally:
+        engine.target_fw.all_reduce = all_reduce
+    if engine.draft_fw is not None:
+        draft = ModelRunner(engine.draft_fw, pool.layers(pool.draft), attention="sdpa")
+        seqs = [SeqSlice(pool.allocate(1, "draft"), 0, 1) for _ in range(c.max_num_seqs)]
+        draft.run(seqs, [1] * len(seqs), [0] * len(seqs), list(range(len(seqs))))
+        del draft
+    # the verify's logits: every sequence's k + 1 rows, in float32, and sampling's copies
+    rows = c.max_num_seqs * (PLAN_K + 1)
+    logits = torch.empty(3, rows, t.vocab_size, dtype=torch.float32, device=device)
+    del logits, target
+    return pool.budget_bytes
 
 
 def pool_bytes_per_token(engine) -> int:

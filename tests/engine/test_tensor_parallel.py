@@ -17,6 +17,7 @@ from engine.async_engine import AsyncEngine  # noqa: F401  (import check: no Ray
 from engine.config import EngineConfig
 from engine.errors import TPGroupError
 from engine.llm_engine import LLMEngine
+from engine.memory import profile_forwards
 from engine.sampling_params import RequestOptions, SamplingParams
 from engine.tp_worker import LocalPeers, rank_options
 
@@ -67,6 +68,22 @@ def test_tp2_matches_tp1_and_transformers(tiny_family, odd_draft, hf_target, dra
             padded = peers.call_rank(1, "attention_path")["padded"]
             assert padded == engine.target.graphs.forwards > 10, padded
             assert engine.draft.graphs.forwards > 10
+    finally:
+        peers.close()
+
+
+def test_rank_0_runs_the_memory_plans_forwards_alone(tiny_family, hf_target):
+    """The memory plan's forwards (engine/memory.py: profile_forwards, what `measure_gpu`
+    measures on a GPU) run before the other ranks take rank 0's plan, so rank 0 runs its shard
+    alone, its all-reduces skipped; the group then still serves TP = 1's greedy tokens. Red when
+    the profile's all-reduce waits for ranks that never join it (the collective times out and
+    the group is broken), or when the all-reduce stays skipped (rank 0's partial sums)."""
+    config = _config(tiny_family, str(tiny_family["draft"]))
+    peers = LocalPeers(config)
+    try:
+        engine = LLMEngine(config, peers=peers)
+        assert profile_forwards(engine) > 0                  # the scratch pool's bytes
+        assert _run(engine) == [hf_greedy(hf_target, p, 12) for p in PROMPTS]
     finally:
         peers.close()
 
