@@ -35,9 +35,10 @@ class EngineConfig:
                                          # docs/decisions/0004-cpu-kernels.md, 0037
     graphs: str = "auto"                 # decode and verify forwards from CUDA graphs
                                          # (engine/cuda_graphs.py): "auto" on a GPU's
-                                         # FlexAttention path at tp_size 1; "off"; "static": the
-                                         # graphs' padded forward without capture, any device
-                                         # on FlexAttention's path (tests). docs/decisions/0039-cuda-graphs.md
+                                         # FlexAttention path (under TP, over NCCL); "off";
+                                         # "static": the graphs' padded forward without
+                                         # capture, any device on FlexAttention's path
+                                         # (tests). docs/decisions/0039-cuda-graphs.md
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
     gpu_memory_utilization: float = 0.90  # share of a GPU's memory this replica plans to use
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget
