@@ -39,6 +39,9 @@ class EngineConfig:
                                          # "static": the graphs' padded forward without
                                          # capture, any device on FlexAttention's path
                                          # (tests). docs/decisions/0039-cuda-graphs.md
+    graph_warmup: bool = False           # captured graphs: build and capture every bucket at
+                                         # start (ModelRunner.warm_up), not at a bucket's first
+                                         # two forwards in serving
     kv_budget_bytes: int | None = None   # None: from device memory (see engine.memory)
     gpu_memory_utilization: float = 0.90  # share of a GPU's memory this replica plans to use
     memory_reserve_bytes: int = 256 << 20  # activations and workspace kept out of the KV budget

@@ -10,7 +10,8 @@ padding tokens write their KV into a scratch block no sequence holds.
 Everything the captured kernels read is rewritten in place before a replay: the token ids and
 positions (`DecodeGraphs`' buffers), the KV write's slots and the block mask's buffers
 (`FlexPages`; `PagedAttention(pad=...)` writes them). A bucket is run eagerly the first time it
-occurs (its kernels compile then), and captured the second time.
+occurs (its kernels compile then), and captured the second time. Where graphs are captured, the
+engine runs every bucket twice at start (`ModelRunner.warm_up`), so serving only replays.
 
 `mode`: "capture" records graphs (CUDA); "static" runs the same padded forward over the same
 buffers without capturing, on any device (the CPU tests' path: what a replay computes, and
@@ -31,6 +32,13 @@ logger = logging.getLogger(__name__)
 
 GRAPH_QUERY_BUCKETS = (1, 8)    # query tokens a sequence, padded; longer forwards run eagerly
 _POOL: list = []                # the process's graph memory pool, made at the first capture
+
+
+def graph_buckets(max_batch: int) -> list[tuple[int, int]]:
+    """Every (batch, query tokens) bucket of a runner whose groups hold up to `max_batch`
+    sequences, largest first."""
+    batches = sorted({bucket(n, max_batch) for n in range(1, max_batch + 1)}, reverse=True)
+    return [(b, q) for b in batches for q in reversed(GRAPH_QUERY_BUCKETS)]
 
 
 def _shared_pool():

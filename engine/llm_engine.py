@@ -52,8 +52,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         tp = config.tp_size
         if tp > 1 and peers is None:
-            raise ValueError("tp_size > 1 needs the other ranks (peers); each takes rank 0's "
-                             "KV plan (block count and layout)")
+            raise ValueError("tp_size > 1 needs the other ranks (peers): they take rank 0's KV plan")
         # Rank 0's shard of the target (every rank reads only its own), and the whole draft.
         self.target_model = load_served(config.target, config.dtype, config.device, rank=0,
                                         world=tp, all_reduce=getattr(peers, "all_reduce", None))
@@ -84,8 +83,8 @@ class LLMEngine:
             pool.take_zeroed()    # from here on, the blocks zeroed here are zeroed there too
         self.peers = peers
         self.group_error: TPGroupError | None = None
-        self.target = self._runner(self.target_fw, pool.target, peers)
-        self.draft = self._runner(self.draft_fw, pool.draft) if self.draft_fw else None
+        self.target = self._runner(self.target_fw, pool.target, peers, warm=True)
+        self.draft = self._runner(self.draft_fw, pool.draft, warm=True) if self.draft_fw else None
         self.faults, self.delays = (Faults(), Delays()) if config.fault_injection else (None, None)
         if self.faults is not None:
             self.target = FaultyRunner(self.target, self.faults, "target_raise", self.delays,
@@ -400,11 +399,13 @@ class LLMEngine:
                              f"KV heads of {s.head_dim}) than the running draft: restart the replica")
         return new, forward
 
-    def _runner(self, forward, layout, peers=None) -> ModelRunner:
-        zeroed = self.pool.take_zeroed if peers is not None else None
-        return ModelRunner(forward, self.pool.layers(layout), peers, self.config.attention, zeroed,
-                           self.plan_dir, self.config.max_num_seqs,
-                           self.graph_setup[layout is self.pool.draft])
+    def _runner(self, forward, layout, peers=None, warm=False) -> ModelRunner:
+        runner = ModelRunner(forward, self.pool.layers(layout), peers, self.config.attention,
+                             self.pool.take_zeroed if peers is not None else None, self.plan_dir,
+                             self.config.max_num_seqs, self.graph_setup[layout is self.pool.draft])
+        if warm and self.config.graph_warmup:     # (a swapped draft captures as it runs)
+            runner.warm_up(self.pool, "draft" if layout is self.pool.draft else "target")
+        return runner
 
     def swap_draft(self, loaded) -> None:
         """Run the next steps with a new draft (from `load_draft`). Every running sequence drops

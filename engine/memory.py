@@ -99,12 +99,10 @@ def graph_pool_bytes(shapes: list[tuple[int, int, int, int]], dtype_bytes: int,
     of each runner that captures graphs (the target's: this rank's widths); none: 0."""
     if not shapes:
         return 0
-    from engine.cuda_graphs import GRAPH_QUERY_BUCKETS
-    from engine.flex_attention import bucket
+    from engine.cuda_graphs import GRAPH_QUERY_BUCKETS, graph_buckets
 
     top = GRAPH_QUERY_BUCKETS[-1]
-    batches = {bucket(n, max_num_seqs) for n in range(1, max_num_seqs + 1)}
-    kept = sum(b * q + 1 for b in batches for q in GRAPH_QUERY_BUCKETS)       # tokens
+    kept = sum(b * q + 1 for b, q in graph_buckets(max_num_seqs))             # tokens
     return (max(activation_bytes(*shape, 0, dtype_bytes, max_num_seqs * top + 1, 0)
                 for shape in shapes)
             + sum(shape[0] for shape in shapes) * kept * dtype_bytes)

@@ -8,6 +8,7 @@ shard, and rank 0 (this process) reads the logits. Does not own: sampling or sch
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -15,7 +16,7 @@ import torch
 
 from engine.attention import PagedAttention, SeqSlice, paged_backend
 from engine import cpu_attention, cpu_ops, flex_attention
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, graph_buckets
 from engine.errors import TPGroupError
 from engine.flex_attention import FlexPages
 from engine.host_sync import upload
@@ -98,6 +99,30 @@ class ModelRunner:
             logger.warning("FlexAttention off for this model (%s): decode gathers its KV", exc)
             self.backend = "sdpa"
             return None
+
+    def warm_up(self, pool, owner: str, modes: tuple[str, ...] = ("capture",)) -> int:
+        """Run every graph bucket twice now, largest first, on blocks taken from `pool` (the
+        `owner` model's layout) for the while: each bucket's kernels compile and its graph is
+        captured at start (as vLLM and SGLang capture theirs), not at its first two forwards in
+        serving, where a compile stalls every running request. A bucket needing more blocks
+        than are free is left out (no step can reach it). Under tensor parallelism every rank
+        runs the same forwards. Only for graphs in `modes`; returns the buckets run."""
+        if self.graphs is None or self.graphs.mode not in modes:
+            return 0
+        start, tpb, done = time.perf_counter(), getattr(pool, owner).tokens_per_block, 0
+        for batch, q in graph_buckets(self.graphs.flex.max_batch):
+            per = -(-q // tpb)                   # blocks a sequence of q tokens needs
+            if batch * per > pool.num_free:
+                continue
+            blocks = pool.allocate(batch * per, owner)
+            seqs = [SeqSlice(blocks[i * per:(i + 1) * per], 0, q) for i in range(batch)]
+            for _ in range(2):                   # eager (its kernels build), then captured
+                self.run(seqs, [0] * (batch * q), list(range(q)) * batch, [0])
+            pool.free(blocks, owner)
+            done += 1
+        logger.info("CUDA graphs of the %s: %d buckets built and captured in %.1f s", owner,
+                    done, time.perf_counter() - start)
+        return done
 
     @torch.inference_mode()
     def _build_fused(self) -> None:

@@ -34,8 +34,11 @@ def main() -> int:
               for dt in (torch.float32, torch.bfloat16)]
     cases += [(test_gpu.test_cuda_speculative_equals_plain, (make_engine, dt))
               for dt in ("float32", "bfloat16")]
+    cases += [(test_gpu.test_cuda_prompt_pieces_past_position_0_run_flash_attention, ())]
     cases += [(test_gpu.test_cuda_decode_step_synchronises_once, (make_engine,)),
-              (test_gpu.test_cuda_graphs_replay_what_eager_forwards_compute, (make_engine,))]
+              (test_gpu.test_cuda_graphs_replay_what_eager_forwards_compute, (make_engine,)),
+              (test_gpu.test_cuda_graphs_warmed_up_at_start_replay_what_eager_forwards_compute,
+               (make_engine,))]
     failed = 0
     for fn, args in cases:
         try:

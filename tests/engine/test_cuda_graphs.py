@@ -10,7 +10,7 @@ import torch
 
 from conftest import run_all
 from engine.attention import PagedAttention, SeqSlice
-from engine.cuda_graphs import DecodeGraphs, graph_mode, graph_plan
+from engine.cuda_graphs import DecodeGraphs, graph_buckets, graph_mode, graph_plan
 from engine.flex_attention import FlexPages
 from engine.kv_cache import BlockPool
 from engine.sampling_params import RequestOptions, SamplingParams
@@ -126,3 +126,27 @@ def test_greedy_speculative_through_padded_forwards_equals_plain_decoding(make_e
     assert got == want
     assert engine.target.graphs.forwards > 10 and engine.draft.graphs.forwards > 10
     assert len(engine.target.graphs.seen) >= 3          # several buckets
+
+
+def test_warm_up_runs_every_bucket_twice_and_gives_its_blocks_back(make_engine):
+    """Where graphs are captured, the engine runs each bucket twice at start (kernels built,
+    then captured), largest first, on blocks it takes from the pool for the while; here in
+    `static` mode, called directly. Red when a bucket is left out or run once, when its blocks
+    stay taken, or when what it wrote reaches a request (greedy output then moves)."""
+    small = dict(kv_budget_bytes=1 << 20, attention="flex", max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", [5 + i, 7, 9, 11] * (1 + i), params,
+                     RequestOptions(mode="speculative", k_max=3)) for i in range(3)]}
+    want, _ = run_all(make_engine(draft=False, graphs="off", **small), dict(arrivals))
+    engine = make_engine(adaptive_k=False, graphs="static", **small)
+    pool = engine.pool
+    free, used = pool.num_free, dict(pool.used_by)
+    assert graph_buckets(8) == [(8, 8), (8, 1), (4, 8), (4, 1), (2, 8), (2, 1), (1, 8), (1, 1)]
+    for runner, owner in ((engine.target, "target"), (engine.draft, "draft")):
+        assert runner.warm_up(pool, owner) == 0        # at start only where graphs capture
+        before = runner.graphs.forwards
+        assert runner.warm_up(pool, owner, modes=("static",)) == 8
+        assert runner.graphs.forwards - before == 16
+        assert pool.num_free == free and pool.used_by == used
+    got, _ = run_all(engine, dict(arrivals))
+    assert got == want

@@ -139,3 +139,20 @@ def test_cuda_graphs_replay_what_eager_forwards_compute(make_engine):
     assert outs["auto"] == outs["off"]
     g = e.target.graphs
     assert g is not None and g.mode == "capture" and g.graphs and e.draft.graphs.graphs
+
+
+def test_cuda_graphs_warmed_up_at_start_replay_what_eager_forwards_compute(make_engine):
+    """graph_warmup: every bucket (here batches 1 and 2, 1 or 8 query tokens) is captured
+    before the first request, for the target and the draft, and greedy tokens equal those
+    without graphs (engine/model_runner.py: warm_up)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", [5 + i, 7, 9, 11] * (2 + i), params,
+                     RequestOptions(mode="speculative", k_max=3)) for i in range(2)]}
+    outs = {}
+    for graphs in ("off", "auto"):
+        e = make_engine(device="cuda", adaptive_k=False, graphs=graphs, graph_warmup=True,
+                        max_num_seqs=2)
+        if graphs == "auto":
+            assert len(e.target.graphs.graphs) == len(e.draft.graphs.graphs) == 4
+        outs[graphs], _ = run_all(e, dict(arrivals))
+    assert outs["auto"] == outs["off"]
