@@ -16,6 +16,8 @@ graphs, captured at a shape's second call), then FlexAttention without graphs, t
 alone; BLOCK_SIZE sets
 the engine's block_size, 16 by default: a page caps the decode kernel's key tile).
 Prints a table and writes it as JSON to $OUT/roofline-b<tokens per block>.json.
+WARMUP=1 instead times the start-up warm-up of every CUDA-graph bucket (`graph_warmup`,
+engine/model_runner.py: warm_up) of the target and of the draft, into $OUT/warmup.json.
 """
 
 import json
@@ -121,6 +123,20 @@ def cell(runner, tables, ctx, weights, kv_token, bw) -> dict:
     return row
 
 
+def warm_up(engine) -> int:
+    """Seconds to build and capture every graph bucket at start, the target's then the draft's
+    (max_num_seqs 128: 8 batches x 1 or 8 query tokens each), written as each ends."""
+    result, out = {"max_num_seqs": engine.config.max_num_seqs}, OUT / "warmup.json"
+    for owner, runner in (("target", engine.target), ("draft", engine.draft)):
+        start = time.perf_counter()
+        buckets = runner.warm_up(engine.pool, owner, modes=("capture", "static"))
+        sync()
+        result[owner] = {"buckets": buckets, "seconds": time.perf_counter() - start}
+        print(owner, result[owner], flush=True)
+        out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def host_syncs(engine, steps: int = 12) -> dict:
     """Host synchronisations per engine step (torch's sync debug mode counts each one), for one
     speculative request of greedy tokens: the step's own, scheduling and sampling included."""
@@ -162,6 +178,8 @@ def main() -> int:
                                     attention="flex" if DRY else "fused",
                                     graphs="static" if DRY else "auto",
                                     kv_budget_bytes=(4 << 20) if DRY else None))
+    if os.environ.get("WARMUP"):
+        return warm_up(engine)
     bw = copy_bandwidth()
     pool = engine.pool
     weights = engine.target_model.weight_bytes
