@@ -123,8 +123,8 @@ class _Group(_Gathers):
             s = ss[0]
             self.rows = slice(starts[members[0]], starts[members[0]] + s.num_query)
             self.mask = None
-            if not self.fresh and s.num_query > 1:       # as `_Prefill`'s later pieces
-                self.mask = causal_lower_right(s.num_query, self.lk)
+            if not self.fresh and s.num_query > 1:
+                self.mask = causal_from(s.num_cached, self.lk, device)
             if self.fresh:
                 return
         # Each sequence's blocks, padded with its first: padded keys are masked, and a masked
@@ -205,11 +205,7 @@ class _Prefill(_Gathers):
         pos = first
         while pos < end:
             stop = min((pos // align + 1) * align, end)
-            # query pos + i sees keys 0..pos + i: causal aligned to the bottom right, which
-            # CUDA's flash kernel takes with grouped-query heads (a boolean mask would send
-            # it to the math backend, scores for every query x key materialised); on CPU it
-            # is that boolean mask, the same call bit for bit
-            mask = causal_lower_right(stop - pos, stop) if pos > 0 else None
+            mask = causal_from(pos, stop, device) if pos > 0 else None
             self.pieces.append((slice(start + pos - first, start + stop - first), stop, mask))
             pos = stop
         if not self.fresh:
@@ -225,6 +221,18 @@ class _Prefill(_Gathers):
                                                attn_mask=mask, is_causal=mask is None,
                                                scale=scale, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
+
+
+def causal_from(pos: int, stop: int, device):
+    """The mask of queries at positions pos..stop-1 over keys 0..stop-1: query i sees keys
+    0..pos + i, causal aligned to the bottom right. On CUDA as torch's bias object, which the
+    flash kernel takes with grouped-query heads (a boolean mask sends SDPA to its math backend,
+    every query x key score materialised); elsewhere as that boolean mask, made once a forward
+    (the bias would be materialised at every layer's call; SDPA gives the same bits)."""
+    if torch.device(device).type == "cuda":
+        return causal_lower_right(stop - pos, stop)
+    return (torch.arange(stop, device=device)[None, :]
+            <= torch.arange(pos, stop, device=device)[:, None])
 
 
 def _buffer(workspace: dict | None, name: str, shape, dtype, device) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import VERIFY_MAX, PagedAttention, SeqSlice
+from engine.attention import VERIFY_MAX, PagedAttention, SeqSlice, causal_from
 from engine.cpu_attention import paged_attention
 from engine.kv_cache import BlockPool
 
@@ -366,3 +366,13 @@ def test_prompt_pieces_equal_per_sequence(dtype):
     ref = reference(kc, vc, seqs, q, D ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.view(total, HEADS, D).float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_the_cuda_form_of_a_pieces_mask_is_the_boolean_one():
+    """On CUDA a piece's mask is torch's bottom-right causal bias, which the flash kernel takes
+    (engine/attention.py: causal_from); it must equal the boolean mask used elsewhere, at every
+    start and length. Red when the bias is aligned to the top left or offset. No CUDA needed:
+    the bias holds only its two lengths."""
+    for pos, stop in [(1, 2), (4, 8), (6, 19), (64, 128), (100, 101), (3, 300)]:
+        bias = causal_from(pos, stop, "cuda")
+        assert torch.equal(bias._materialize("cpu"), causal_from(pos, stop, "cpu")), (pos, stop)
