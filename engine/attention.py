@@ -190,10 +190,10 @@ class _Prefill(_Gathers):
     """One sequence's prompt chunk, attended piece by piece: the pieces are cut at multiples of
     `prefill_align` from position 0, whatever the chunk, and each is one SDPA call over the
     keys up to its own end (the first, at position 0, causal over its own keys; later ones
-    causal from the bottom right). The scheduler cuts prompts only at those multiples (`engine/scheduler.py`), so a
-    piece is the same call on the same inputs however the prompt was chunked and whatever ran
-    beside it: a prompt's KV is the same bits under any load (tests/engine/
-    test_prefill_cuts.py). SDPA's rows move with its number of queries and keys, so a chunk
+    causal from the bottom right, `causal_from`). The scheduler cuts prompts only at those
+    multiples (`engine/scheduler.py`), so a piece is the same call on the same inputs however
+    the prompt was chunked and whatever ran beside it: a prompt's KV is the same bits under any
+    load (tests/engine/test_prefill_cuts.py). SDPA's rows move with its number of queries and keys, so a chunk
     attended in one call would not be: the same prompt cut elsewhere gets other KV bits, and a
     near-tie later gives another greedy token (docs/decisions/0007-prefill-alignment.md)."""
 

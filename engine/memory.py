@@ -154,9 +154,9 @@ def measure_gpu(engine) -> MemoryPlan:
     other = max(0, total - free - torch.cuda.memory_reserved(device))
     per_token = pool_bytes_per_token(engine)
     t, d = engine.target_fw.shape, engine.draft_fw.shape if engine.draft_fw else None
-    models = [(engine.target_model, t)] + ([(engine.draft_model, d)] if d else [])
+    models = [(engine.target_model, t, c.tp_size)] + ([(engine.draft_model, d, 1)] if d else [])
     shapes = [(f.hidden_size, f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim,
-               m.config.intermediate_size) for m, f in models]
+               m.config.intermediate_size // world) for m, f, world in models]   # a rank's
     collectives = dist.get_backend() if c.tp_size > 1 and dist.is_initialized() else None
     captured = (graph_mode(c.graphs, device, c.attention, collectives),
                 graph_mode(c.graphs, device, c.attention))         # target's, draft's
