@@ -193,9 +193,10 @@ class _Prefill(_Gathers):
     causal from the bottom right, `causal_from`). The scheduler cuts prompts only at those
     multiples (`engine/scheduler.py`), so a piece is the same call on the same inputs however
     the prompt was chunked and whatever ran beside it: a prompt's KV is the same bits under any
-    load (tests/engine/test_prefill_cuts.py). SDPA's rows move with its number of queries and keys, so a chunk
-    attended in one call would not be: the same prompt cut elsewhere gets other KV bits, and a
-    near-tie later gives another greedy token (docs/decisions/0007-prefill-alignment.md)."""
+    load (tests/engine/test_prefill_cuts.py). SDPA's rows move with its number of queries and
+    keys, so a chunk attended in one call would not be: the same prompt cut elsewhere gets other
+    KV bits, and a near-tie later gives another greedy token
+    (docs/decisions/0007-prefill-alignment.md)."""
 
     def __init__(self, s: SeqSlice, start: int, tpb: int, device):
         first, end, align = s.num_cached, s.num_cached + s.num_query, s.prefill_align

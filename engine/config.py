@@ -104,6 +104,8 @@ class EngineConfig:
             raise ValueError("tp_size must be >= 1")
         if self.graphs not in ("auto", "off", "static"):
             raise ValueError(f"graphs must be auto, off or static, got {self.graphs!r}")
+        if not isinstance(self.graph_warmup, bool):
+            raise ValueError(f"graph_warmup must be true or false, got {self.graph_warmup!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.num_threads is None:

@@ -83,8 +83,8 @@ class LLMEngine:
             pool.take_zeroed()    # from here on, the blocks zeroed here are zeroed there too
         self.peers = peers
         self.group_error: TPGroupError | None = None
-        self.target = self._runner(self.target_fw, pool.target, peers, warm=True)
-        self.draft = self._runner(self.draft_fw, pool.draft, warm=True) if self.draft_fw else None
+        self.target = self._runner(self.target_fw, "target", peers, warm=True)
+        self.draft = self._runner(self.draft_fw, "draft", warm=True) if self.draft_fw else None
         self.faults, self.delays = (Faults(), Delays()) if config.fault_injection else (None, None)
         if self.faults is not None:
             self.target = FaultyRunner(self.target, self.faults, "target_raise", self.delays,
@@ -93,8 +93,7 @@ class LLMEngine:
                 self.draft = FaultyRunner(self.draft, self.faults, "draft_raise")
         self.cost = CalibratedCost(load_or_profile(self), draft_excess=True)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                 prefill_mode=config.prefill_mode,
-                                 prefill_align=config.prefill_align,
+                                 prefill_mode=config.prefill_mode, prefill_align=config.prefill_align,
                                  prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, limits, self._choose_k, self._acceptance,
                                    self._may_draft)
@@ -399,12 +398,13 @@ class LLMEngine:
                              f"KV heads of {s.head_dim}) than the running draft: restart the replica")
         return new, forward
 
-    def _runner(self, forward, layout, peers=None, warm=False) -> ModelRunner:
-        runner = ModelRunner(forward, self.pool.layers(layout), peers, self.config.attention,
-                             self.pool.take_zeroed if peers is not None else None, self.plan_dir,
-                             self.config.max_num_seqs, self.graph_setup[layout is self.pool.draft])
+    def _runner(self, forward, owner: str, peers=None, warm=False) -> ModelRunner:
+        zeroed, c = self.pool.take_zeroed if peers is not None else None, self.config
+        runner = ModelRunner(forward, self.pool.layers(getattr(self.pool, owner)), peers,
+                             c.attention, zeroed, self.plan_dir, c.max_num_seqs,
+                             self.graph_setup[owner == "draft"])
         if warm and self.config.graph_warmup:     # (a swapped draft captures as it runs)
-            runner.warm_up(self.pool, "draft" if layout is self.pool.draft else "target")
+            runner.warm_up(self.pool, owner)
         return runner
 
     def swap_draft(self, loaded) -> None:
@@ -413,7 +413,7 @@ class LLMEngine:
         acceptance estimate restarts from the prior. Output stays the target's (lossless)."""
         new, forward = loaded
         self.draft_model, self.draft_fw = new, forward
-        self.draft = self._runner(forward, self.pool.draft)
+        self.draft = self._runner(forward, "draft")
         self.scheduler.new_draft(self.draft_swaps + 1)     # cached draft blocks are stale
         for seq in self.seqs.values():
             self.scheduler.reset_draft(seq)

@@ -140,8 +140,8 @@ def step(items: list[ScheduledSeq], target: ModelRunner,
     # Verify: one target forward over every scheduled sequence, the drafts written into its
     # token ids on the device.
     seqs, ids, pos, rows, scored, slots = _verify_feed(items)
-    ids = upload(ids, torch.long, target.device)
-    if slots:
+    if slots:     # (without drafts the ids stay a host list: other ranks take it in the message)
+        ids = upload(ids, torch.long, target.device)
         ids.index_copy_(0, upload(slots, torch.long, target.device), draft_ids)
     num_rows = len(rows) if sampling else 1
     extra = [r for pairs in scored.values() for r, _ in pairs]

@@ -134,6 +134,10 @@ def test_bad_policy_or_engine_args_fail_when_the_config_loads(tmp_path):
         AppConfig.model_validate({"target": {"model": "/m", "engine_args": {"blocksize": 8}}})
     with pytest.raises(ValidationError, match="max_num_batched_tokens"):
         AppConfig.model_validate({"target": {"model": "/m", "engine_args": {"max_num_batched_tokens": 1}}})
+    for args, match in (({"graph_warmup": "yes"}, "graph_warmup must be true or false"),
+                        ({"graphs": "sometimes"}, "graphs must be auto, off or static")):
+        with pytest.raises(ValidationError, match=match):
+            AppConfig.model_validate({"target": {"model": "/m", "engine_args": args}})
     path = tmp_path / "app.yaml"
     path.write_text("app:\n  target: {model: /m}\n  policy: {k_max: 99}\n")
     with pytest.raises(ValidationError, match="k_max"):
